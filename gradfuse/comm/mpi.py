@@ -1,0 +1,150 @@
+"""MPI communicator over mpi4py.
+
+Data and control traffic each get their own duplicate of the user's communicator,
+so gradfuse's messages never match a user's own sends or collectives. Sums use the
+MPI library's own ``MPI_Allreduce``; float16, which MPI has no type for, travels as
+16-bit words and is summed by a user-defined op backed by a Cython kernel (one
+Python call per chunk the library reduces, each pairwise add in float32, rounded
+once to float16).
+"""
+import numpy as np
+
+from .. import _core
+from .base import Communicator
+
+_MPI = None
+
+
+def mpi():
+    """Import mpi4py lazily, so that ``import gradfuse`` works without it."""
+    global _MPI
+    if _MPI is None:
+        from mpi4py import MPI
+        _MPI = MPI
+    return _MPI
+
+
+_F16_SUM = None
+
+
+def _f16_sum_op():
+    global _F16_SUM
+    if _F16_SUM is None:
+        MPI = mpi()
+
+        def _sum(inbuf, inoutbuf, datatype):
+            _core.sum_f16(inbuf, inoutbuf)
+
+        _F16_SUM = MPI.Op.Create(_sum, commute=True)
+    return _F16_SUM
+
+
+def _type_and_op(dtype):
+    MPI = mpi()
+    if dtype == np.float32:
+        return MPI.FLOAT, MPI.SUM
+    if dtype == np.float64:
+        return MPI.DOUBLE, MPI.SUM
+    if dtype == np.float16:
+        return MPI.UINT16_T, _f16_sum_op()
+    if dtype == np.int32:
+        return MPI.INT32_T, MPI.SUM
+    if dtype == np.int64:
+        return MPI.INT64_T, MPI.SUM
+    raise TypeError(f"MPI communicator cannot reduce dtype {dtype}")
+
+
+class _Gather:
+    """A non-blocking allgather of variable-length bytes in two steps (sizes, then data)."""
+
+    def __init__(self, comm, data):
+        MPI = mpi()
+        self.comm = comm
+        self.data = np.frombuffer(bytes(data), dtype=np.uint8)
+        self.sizes = np.zeros(comm.size, dtype=np.int64)
+        self.mine = np.array([self.data.size], dtype=np.int64)
+        self.req = comm.Iallgather([self.mine, MPI.INT64_T], [self.sizes, MPI.INT64_T])
+        self.stage = 0
+        self.out = None
+
+    def test(self):
+        MPI = mpi()
+        if not self.req.Test():
+            return False
+        if self.stage == 0:
+            self.stage = 1
+            self.displs = np.concatenate([[0], np.cumsum(self.sizes)[:-1]]).astype(np.int64)
+            self.out = np.empty(int(self.sizes.sum()), dtype=np.uint8)
+            self.req = self.comm.Iallgatherv(
+                [self.data, MPI.BYTE],
+                [self.out, (self.sizes.tolist(), self.displs.tolist()), MPI.BYTE])
+            return self.test()
+        return True
+
+    def result(self):
+        return [self.out[d:d + s].tobytes() for d, s in zip(self.displs, self.sizes)]
+
+
+class MPICommunicator(Communicator):
+    """Communicator over an mpi4py communicator (``MPI.COMM_WORLD`` by default).
+
+    Args:
+        comm: any mpi4py intracommunicator. It is duplicated twice (data, control).
+
+    ``local_rank``/``local_size`` come from splitting by shared memory (same host);
+    ``cross_rank``/``cross_size`` from splitting by local rank, as Horovod defines them.
+    """
+
+    kind = "mpi"
+
+    def __init__(self, comm=None):
+        MPI = mpi()
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if not isinstance(comm, MPI.Intracomm):
+            raise TypeError(f"MPICommunicator needs an mpi4py Intracomm, got {type(comm).__name__}")
+        self.user_comm = comm
+        self.data = comm.Dup()
+        self.ctl = comm.Dup()
+        self.rank = comm.Get_rank()
+        self.size = comm.Get_size()
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_rank, self.local_size = local.Get_rank(), local.Get_size()
+        cross = comm.Split(color=self.local_rank, key=self.rank)
+        self.cross_rank, self.cross_size = cross.Get_rank(), cross.Get_size()
+        local.Free()
+        cross.Free()
+        self._in_place = MPI.IN_PLACE
+
+    # --- data plane ----------------------------------------------------------------
+    def allreduce_inplace(self, arr):
+        mtype, op = _type_and_op(arr.dtype)
+        self.data.Allreduce(self._in_place, [arr, mtype], op=op)
+        return arr
+
+    def allreduce(self, src, dst):
+        mtype, op = _type_and_op(src.dtype)
+        self.data.Allreduce([src, mtype], [dst, mtype], op=op)
+        return dst
+
+    # --- control plane -------------------------------------------------------------
+    def ctl_isend(self, data, dest):
+        return self.ctl.Isend([data, mpi().BYTE], dest=dest, tag=7)
+
+    def ctl_irecv(self, buf, source):
+        return self.ctl.Irecv([buf, mpi().BYTE], source=source, tag=7)
+
+    def ctl_ibcast(self, buf, root):
+        return self.ctl.Ibcast([buf, mpi().BYTE], root=root)
+
+    def ctl_iallgather_bytes(self, data):
+        return _Gather(self.ctl, data)
+
+    @staticmethod
+    def test(request):
+        if isinstance(request, _Gather):
+            return request.test()
+        return request.Test()
+
+    def abort(self, code=1):
+        self.user_comm.Abort(code)

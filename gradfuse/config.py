@@ -1,0 +1,65 @@
+"""Settings read from ``GRADFUSE_*`` environment variables.
+
+Only an unset variable means the default. Any other value must parse, or the error
+names the variable and what it holds; nothing is silently replaced by a default.
+"""
+import math
+import os
+
+DEFAULT_FUSION_THRESHOLD = 1 << 20   # bytes; chosen by measurement, see docs/design.md
+DEFAULT_STALL_WARNING_S = 60.0
+DEFAULT_STALL_TIMEOUT_S = 600.0      # as PyTorch's NCCL watchdog; 0 turns it off
+
+
+def _raw(var):
+    return os.environ.get(var)
+
+
+def env_int(var, default, minimum=0, maximum=1 << 62):
+    """An integer from ``var``, or ``default`` when the variable is unset."""
+    raw = _raw(var)
+    if raw is None:
+        return default
+    text = raw.strip()
+    try:
+        if not text or not text.lstrip("+").isdigit():
+            raise ValueError
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{var}={raw!r} is not a whole number of bytes/count "
+                         f"(expected an integer in [{minimum}, {maximum}])") from None
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{var}={raw!r} is out of range: expected an integer in [{minimum}, {maximum}]")
+    return value
+
+
+def env_seconds(var, default, maximum=7 * 24 * 3600.0):
+    """A non-negative number of seconds from ``var`` (0 means off), or ``default``."""
+    raw = _raw(var)
+    if raw is None:
+        return default
+    text = raw.strip()
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{var}={raw!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value < 0 or value > maximum:
+        raise ValueError(f"{var}={raw!r} is out of range: expected seconds in [0, {maximum:g}], 0 = off")
+    return value
+
+
+def fusion_threshold(value=None):
+    """The fusion threshold in bytes: the argument, else GRADFUSE_FUSION_THRESHOLD, else the default."""
+    if value is None:
+        return env_int("GRADFUSE_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD, minimum=0, maximum=1 << 40)
+    if isinstance(value, bool) or not isinstance(value, (int,)) or value < 0:
+        raise ValueError(f"fusion_threshold must be a non-negative int of bytes, got {value!r}")
+    return int(value)
+
+
+def stall_warning_s():
+    return env_seconds("GRADFUSE_STALL_WARNING_S", DEFAULT_STALL_WARNING_S)
+
+
+def stall_timeout_s():
+    return env_seconds("GRADFUSE_STALL_TIMEOUT_S", DEFAULT_STALL_TIMEOUT_S)

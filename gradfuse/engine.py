@@ -1,0 +1,79 @@
+"""The communication thread and its handles.
+
+gradfuse makes every MPI call of a communicator from one background thread, in the
+order the collectives were submitted (Horovod's design). Callers get a ``Handle``
+at once and may compute while the thread packs, negotiates and reduces; the
+blocking API is ``submit(...).wait()``. The Cython kernels and mpi4py release the
+GIL while they run, so the caller's thread keeps running Python meanwhile.
+
+Call-order rule: collectives submitted through the same communicator must be
+submitted in the same order on every rank. The control plane checks this (a
+different order is reported as a mismatch naming the tensors), it never guesses.
+"""
+import queue
+import threading
+
+
+class Handle:
+    """The future result of a submitted collective.
+
+    ``wait()`` blocks until it has finished and returns its result, or raises the
+    error it ended with (the same error on every rank for cross-rank problems).
+    """
+
+    __slots__ = ("_event", "_result", "_error", "_finish", "name")
+
+    def __init__(self, name=""):
+        self._event = threading.Event()
+        self._result = None
+        self._error = None
+        self._finish = None
+        self.name = name
+
+    def done(self):
+        """True when the collective has finished (successfully or not)."""
+        return self._event.is_set()
+
+    def wait(self, timeout=None):
+        """Block until done; return the result or raise the collective's error."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"collective {self.name!r} not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _set(self, result=None, error=None):
+        self._result, self._error = result, error
+        self._event.set()
+
+
+class Engine:
+    """One background thread that runs jobs for one communicator, first in, first out."""
+
+    def __init__(self, name="gradfuse-comm"):
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn, name=""):
+        """Queue ``fn()`` for the communication thread; return its ``Handle``."""
+        handle = Handle(name)
+        self._queue.put((fn, handle))
+        return handle
+
+    def _loop(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, handle = item
+            try:
+                result = fn()
+            except BaseException as exc:    # handed to the caller, never lost
+                handle._set(error=exc)
+            else:
+                handle._set(result=result)
+
+    def shutdown(self):
+        self._queue.put(None)
+        self._thread.join()

@@ -1,0 +1,79 @@
+"""Process-wide state: the default communicator and, per communicator, its
+communication thread (``Engine``) and control plane (``Coordinator``)."""
+import threading
+
+from .comm.base import Communicator
+from .control import Coordinator
+from .engine import Engine
+
+_lock = threading.Lock()
+_default = None
+_contexts = {}
+
+
+class Context:
+    """A communicator with the one thread and coordinator that all its collectives share."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.coordinator = Coordinator(comm)
+        self.engine = Engine(name=f"gradfuse-comm-{comm.kind}")
+
+
+def _wrap(comm):
+    if isinstance(comm, Communicator):
+        return comm
+    if comm is None:
+        from .comm.mpi import MPICommunicator
+        return MPICommunicator()
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        MPI = None
+    if MPI is not None and isinstance(comm, MPI.Intracomm):
+        from .comm.mpi import MPICommunicator
+        return MPICommunicator(comm)
+    raise TypeError(f"comm must be a gradfuse Communicator or an mpi4py Intracomm, got {type(comm).__name__}")
+
+
+def init(comm=None):
+    """Set up the default communicator (``MPI.COMM_WORLD`` unless ``comm`` is given).
+
+    Calling it again with no argument keeps the existing default.
+    """
+    global _default
+    with _lock:
+        if _default is not None and comm is None:
+            return _default.comm
+        _default = _context_locked(comm)
+        return _default.comm
+
+
+def is_initialized():
+    return _default is not None
+
+
+def default_context():
+    if _default is None:
+        raise ValueError("gradfuse has not been initialized; call gradfuse.init() first")
+    return _default
+
+
+def context(comm=None):
+    """The ``Context`` of ``comm``; with None, the default one (initialised on demand)."""
+    if comm is None:
+        init()
+        return _default
+    with _lock:
+        return _context_locked(comm)
+
+
+def _context_locked(comm):
+    """One Context per communicator object given (an mpi4py comm is wrapped once)."""
+    if comm is None:
+        return Context(_wrap(None))
+    entry = _contexts.get(id(comm))
+    if entry is None or entry[0] is not comm:
+        entry = (comm, Context(_wrap(comm)))
+        _contexts[id(comm)] = entry
+    return entry[1]
