@@ -18,6 +18,11 @@ cdef extern from "_half.h" nogil:
     float gf_half_to_float(uint16_t h)
     uint16_t gf_float_to_half(float f)
 
+cdef extern from "_simd.h" nogil:
+    int gf_cpu_avx2
+    int gf_use_avx2
+    void gf_simd_init(int force_scalar)
+
 # dtype codes shared with gradfuse/dtypes.py
 DEF C_BAD = 0
 DEF C_F16 = 1
@@ -258,3 +263,33 @@ def float_to_half(const float[::1] src, uint16_t[::1] dst):
     with nogil:
         for i in range(n):
             dst[i] = gf_float_to_half(src[i])
+
+
+def set_simd(bint force_scalar):
+    """Choose the kernels' code path: portable scalar (True) or the best the CPU has."""
+    gf_simd_init(force_scalar)
+
+
+def simd_info():
+    """Which SIMD path the kernels use now, and what the CPU offers."""
+    return {"cpu_avx2_f16c": bool(gf_cpu_avx2), "using_avx2": bool(gf_use_avx2)}
+
+
+def _init_simd_from_env():
+    import os
+    raw = os.environ.get("GRADFUSE_FORCE_SCALAR")
+    if raw is None:
+        force = False
+    elif raw.strip() in ("0", "1"):
+        force = raw.strip() == "1"
+    else:
+        raise ValueError(f"GRADFUSE_FORCE_SCALAR={raw!r}: expected 0 or 1")
+    gf_simd_init(force)
+
+
+_init_simd_from_env()
+
+# Compressor kernels, one include per family (each with a numpy twin in tests/).
+include "_cast.pxi"
+include "_quant.pxi"
+include "_sparse.pxi"

@@ -1,0 +1,1 @@
+# Kernels: top-k and random-k sparsification. Included by _core.pyx.
