@@ -114,6 +114,12 @@ def _scan(objs):
     return sig, ptrs, nbytes, flags
 
 
+def _problems(writable):
+    """The scan flags that need the slow path (read-only matters only for outputs)."""
+    mask = _core.FLAG_NOBUFFER | _core.FLAG_BADDTYPE | _core.FLAG_NONCONTIG
+    return mask | _core.FLAG_READONLY if writable else mask
+
+
 def _dtype_of(obj):
     try:
         return np.asarray(memoryview(obj)).dtype
@@ -253,10 +259,10 @@ class Pipeline:
                 "fusion_threshold": self.fusion_threshold,
                 "direct_threshold": self.direct_threshold}
 
-    def _intake_inputs(self, objs, names, flags, nbytes, writable):
+    def _intake_inputs(self, objs, names, flags, writable):
         """Slow path for inputs the C scan could not take as they are."""
         objs = list(objs)
-        for i in np.flatnonzero(flags).tolist():
+        for i in np.flatnonzero(flags & _problems(writable)).tolist():
             f, name = int(flags[i]), names[i]
             if f & _core.FLAG_NOBUFFER:
                 arr = intake.as_array(objs[i], name)
@@ -278,13 +284,14 @@ class Pipeline:
 
     def _read_tables(self, objs, names, writable):
         sig, ptrs, nbytes, flags = _scan(objs)
+        mask = _problems(writable)
         for _ in range(2):
-            if not flags.any():
+            if not (flags & mask).any():
                 break
-            objs = self._intake_inputs(objs, names, flags, nbytes, writable)
+            objs = self._intake_inputs(objs, names, flags, writable)
             sig, ptrs, nbytes, flags = _scan(objs)
-        if flags.any():
-            i = int(np.flatnonzero(flags)[0])
+        if (flags & mask).any():
+            i = int(np.flatnonzero(flags & mask)[0])
             raise TypeError(f"tensor {names[i]!r}: cannot read {type(objs[i]).__name__} as an array")
         return objs, sig, ptrs, nbytes
 

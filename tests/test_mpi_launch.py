@@ -1,0 +1,49 @@
+"""Launch the multi-rank suites under mpiexec, with a hard time limit.
+
+Each world size is one mpiexec launch that runs all of tests/mpi, so the suite pays
+for MPI start-up twice, not once per test. A hang fails the test (the whole process
+group is killed at the limit).
+"""
+import os
+import sys
+
+import pytest
+
+from conftest import mpiexec_path
+from helpers import run_limited
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.mpi
+
+
+def _mpi_env():
+    env = dict(os.environ)
+    env.pop("GRADFUSE_STALL_WARNING_S", None)
+    env.pop("GRADFUSE_STALL_TIMEOUT_S", None)
+    return env
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_multi_rank_suite(ranks):
+    mpiexec = mpiexec_path()
+    assert mpiexec, "mpiexec not found: install the mpich extra (see README)"
+    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "pytest", "tests/mpi", "-q",
+           "-p", "no:cacheprovider", "-o", "addopts=", "-W", "ignore::DeprecationWarning"]
+    code, out, timed_out = run_limited(cmd, timeout=180, env=_mpi_env(), cwd=ROOT)
+    print(out)
+    assert not timed_out, f"mpiexec -n {ranks} hung (killed after 180 s):\n{out[-4000:]}"
+    assert code == 0, f"mpiexec -n {ranks} failed (exit {code}):\n{out[-6000:]}"
+    assert "passed" in out and "failed" not in out.split("\n")[-2]
+
+
+def test_stall_timeout_aborts_the_job_and_names_the_rank():
+    """A rank that never arrives: the job ends (non-zero) soon after the timeout, no hang."""
+    mpiexec = mpiexec_path()
+    env = _mpi_env()
+    env["GRADFUSE_STALL_TIMEOUT_S"] = "2"
+    env["GRADFUSE_STALL_WARNING_S"] = "1"
+    script = os.path.join(ROOT, "tests", "scripts", "never_arrives.py")
+    code, out, timed_out = run_limited([mpiexec, "-n", "2", sys.executable, script], timeout=60, env=env)
+    assert not timed_out, out
+    assert code != 0
+    assert "stall timeout" in out and "waiting for rank 1" in out, out
