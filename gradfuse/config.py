@@ -4,6 +4,7 @@ Only an unset variable means the default. Any other value must parse, or the err
 names the variable and what it holds; nothing is silently replaced by a default.
 """
 import math
+import operator
 import os
 
 DEFAULT_FUSION_THRESHOLD = 1 << 20   # bytes; chosen by measurement, see docs/design.md
@@ -52,9 +53,13 @@ def fusion_threshold(value=None):
     """The fusion threshold in bytes: the argument, else GRADFUSE_FUSION_THRESHOLD, else the default."""
     if value is None:
         return env_int("GRADFUSE_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD, minimum=0, maximum=1 << 40)
-    if isinstance(value, bool) or not isinstance(value, (int,)) or value < 0:
+    try:
+        as_int = operator.index(value)
+    except TypeError:
+        as_int = None
+    if isinstance(value, bool) or as_int is None or as_int < 0:
         raise ValueError(f"fusion_threshold must be a non-negative int of bytes, got {value!r}")
-    return int(value)
+    return int(as_int)
 
 
 def stall_warning_s():
