@@ -82,6 +82,19 @@ static void gf_q_scatter(gf_qcur* cur, const float* stage, int64_t m)
     }
 }
 
+/* If the next m elements lie in one row, return their address and advance past
+ * them; otherwise return NULL and leave the cursor where it was. */
+static float* gf_q_direct(gf_qcur* cur, int64_t m)
+{
+    while (cur->row < cur->hi && cur->counts[cur->row] - cur->pos <= 0) {
+        cur->row++; cur->pos = 0;
+    }
+    if (cur->row >= cur->hi || cur->counts[cur->row] - cur->pos < m) return NULL;
+    float* d = (float*)(uintptr_t)cur->ptrs[cur->row] + cur->pos;
+    cur->pos += m;
+    return d;
+}
+
 static float* gf_q_alloc(int64_t nfloats)
 {
     return (float*)malloc((size_t)(nfloats > 0 ? nfloats : 1) * sizeof(float));
@@ -110,14 +123,14 @@ static void gf_ob_emit_scalar(const float* c, int64_t count, float s,
     for (int64_t i = 0; i < count; i += 32) {
         int64_t m = count - i < 32 ? count - i : 32;
         uint32_t w = 0;
-        for (int64_t k = 0; k < m; k++) {
-            float x = c[i + k];
-            int b = x >= 0.0f;
-            w |= (uint32_t)b << k;
-            if (e) e[i + k] = x - (b ? s : ns);
-        }
+        for (int64_t k = 0; k < m; k++) w |= (uint32_t)(c[i + k] >= 0.0f) << k;
         bits[i >> 5] = w;
     }
+    if (e)
+        for (int64_t k = 0; k < count; k++) {
+            float x = c[k];
+            e[k] = x - (x >= 0.0f ? s : ns);
+        }
 }
 
 #if GF_Q_HAVE_AVX2
@@ -213,9 +226,14 @@ static void gf_ob_decode_scalar(const uint32_t* bits, float s, int64_t cnt,
                                 float* acc, int first)
 {
     float ns = -s;
-    for (int64_t k = 0; k < cnt; k++) {
-        float v = (bits[k >> 5] >> (k & 31)) & 1u ? s : ns;
-        acc[k] = first ? v : acc[k] + v;
+    for (int64_t i = 0; i < cnt; i += 32) {
+        int64_t m = cnt - i < 32 ? cnt - i : 32;
+        uint32_t w = bits[i >> 5];
+        float* a = acc + i;
+        if (first)
+            for (int64_t k = 0; k < m; k++) a[k] = (w >> k) & 1u ? s : ns;
+        else
+            for (int64_t k = 0; k < m; k++) a[k] = a[k] + ((w >> k) & 1u ? s : ns);
     }
 }
 
@@ -241,11 +259,21 @@ GF_Q_AVX2 static void gf_ob_decode_avx2(const uint32_t* bits, float s, int64_t c
 }
 #endif
 
+/* acc[k] = acc[k] / (float)divisor; nothing when divisor == 1.0. For a power of two
+ * whose reciprocal is exact, x * (1/f) is the same correctly rounded real number as
+ * x / f, so the same bits (zeros, subnormals, inf and NaN included), and much cheaper. */
 static void gf_q_divide(float* acc, int64_t cnt, double divisor)
 {
     if (divisor == 1.0) return;
     float f = (float)divisor;
-    for (int64_t k = 0; k < cnt; k++) acc[k] = acc[k] / f;
+    int ex;
+    float m = frexpf(f, &ex);
+    float r = 1.0f / f;
+    if ((m == 0.5f || m == -0.5f) && r != 0.0f && fabsf(r) < INFINITY && r * f == 1.0f) {
+        for (int64_t k = 0; k < cnt; k++) acc[k] = acc[k] * r;
+    } else {
+        for (int64_t k = 0; k < cnt; k++) acc[k] = acc[k] / f;
+    }
 }
 
 /* bits: p rows of `wstride` words, scales: p rows of `sstride` floats. */
@@ -263,17 +291,19 @@ static int gf_onebit_decompress_sum(const uint32_t* bits, int64_t wstride,
     int avx = GF_Q_HAVE_AVX2 && gf_use_avx2;
     for (int64_t b = 0, start = 0; start < n; b++, start += block) {
         int64_t cnt = n - start < block ? n - start : block;
+        float* d = gf_q_direct(&cur, cnt);   /* block inside one tensor: no staging */
+        float* a = d ? d : acc;
         for (int64_t r = 0; r < p; r++) {
             const uint32_t* w = bits + r * wstride + (start >> 5);
             float s = scales[r * sstride + b];
 #if GF_Q_HAVE_AVX2
-            if (avx) gf_ob_decode_avx2(w, s, cnt, acc, r == 0);
+            if (avx) gf_ob_decode_avx2(w, s, cnt, a, r == 0);
             else
 #endif
-            gf_ob_decode_scalar(w, s, cnt, acc, r == 0);
+            gf_ob_decode_scalar(w, s, cnt, a, r == 0);
         }
-        gf_q_divide(acc, cnt, divisor);
-        gf_q_scatter(&cur, acc, cnt);
+        gf_q_divide(a, cnt, divisor);
+        if (!d) gf_q_scatter(&cur, acc, cnt);
     }
     free(acc);
     return 0;
@@ -308,18 +338,19 @@ static int64_t gf_tb_encode_scalar(float* c, int64_t npad, float t, uint8_t* cod
         uint32_t byte = 0;
         for (int k = 0; k < 4; k++) {
             float x = c[i + k];
-            float q;
-            uint32_t code;
-            if (x >= t) { q = t; code = 1; }
-            else if (x <= nt) { q = nt; code = 2; }
-            else { q = 0.0f; code = 0; }
-            byte |= code << (2 * k);
-            bad += !(fabsf(x) < INFINITY);
-            c[i + k] = x - q;
+            byte |= ((uint32_t)(x >= t) | ((uint32_t)(x <= nt) << 1)) << (2 * k);
         }
         codes[i >> 2] = (uint8_t)byte;
     }
-    return bad;
+    int32_t nb = 0;   /* npad <= GF_TB_CHUNK */
+    for (int64_t k = 0; k < npad; k++) {
+        float x = c[k];
+        nb += !(fabsf(x) < INFINITY);
+        float q = x >= t ? t : 0.0f;   /* t > 0: at most one of the two holds */
+        q = x <= nt ? nt : q;
+        c[k] = x - q;
+    }
+    return bad + nb;
 }
 
 #if GF_Q_HAVE_AVX2
@@ -411,7 +442,7 @@ static int gf_twobit_decompress_sum(const uint8_t* codes, int64_t stride, int64_
             }
         }
         gf_q_divide(acc, cnt, divisor);
-        gf_q_scatter(&cur, acc, cnt);
+        gf_q_scatter(&cur, acc, cnt);   /* the last chunk's acc may hold padding: cnt only */
     }
     free(acc);
     free(lut);

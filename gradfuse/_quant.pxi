@@ -58,8 +58,10 @@ cdef int _q_check_block(str name, int block) except -1:
 
 
 cdef int _q_check_divisor(str name, double divisor) except -1:
-    if not (divisor == divisor) or divisor == 0.0:
-        raise ValueError(f"{name}: divisor must be a non-zero number, got {divisor}")
+    cdef float f = <float> divisor
+    if not (f == f) or f == 0.0 or f == float("inf") or f == -float("inf"):
+        raise ValueError(f"{name}: divisor must be finite and non-zero as a float32, "
+                         f"got {divisor}")
     return 0
 
 

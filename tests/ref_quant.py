@@ -2,9 +2,20 @@
 
 All arithmetic is float32, in the canonical order of docs/compressors_quant.md.
 """
+import functools
+
 import numpy as np
 
 F32 = np.float32
+
+
+def _quiet(f):
+    """Overflow/NaN are defined results here, not warnings."""
+    @functools.wraps(f)
+    def g(*a, **k):
+        with np.errstate(all="ignore"):
+            return f(*a, **k)
+    return g
 
 
 def _residual_in(g, e):
@@ -14,6 +25,7 @@ def _residual_in(g, e):
     return (g + np.asarray(e, dtype=F32)).astype(F32), True
 
 
+@_quiet
 def onebit_scales(c, block):
     """Per-block mean |c| in the canonical order: 32 lane sums, shfl_down tree, / count."""
     n = len(c)
@@ -34,6 +46,7 @@ def onebit_scales(c, block):
     return (lanes[:, 0] / counts).astype(F32)
 
 
+@_quiet
 def onebit_compress(g, e, block):
     """Returns (bits uint32[ceil(n/32)], scales float32[ceil(n/block)], residual or None, nbad)."""
     c, fb = _residual_in(g, e)
@@ -67,12 +80,14 @@ def _sum_div(vals, divisor):
     return acc
 
 
+@_quiet
 def onebit_decompress_sum(bits, scales, block, n, divisor):
     """bits (p, nwords), scales (p, nblocks): ((v0 + v1) + ...) / float32(divisor)."""
     return _sum_div([onebit_decode(bits[r], scales[r], block, n) for r in range(len(bits))],
                     divisor)
 
 
+@_quiet
 def twobit_compress(g, e, threshold):
     """Returns (codes uint8[ceil(n/4)], residual or None, number of non-finite c)."""
     t = F32(threshold)
@@ -98,5 +113,6 @@ def twobit_decode(codes, threshold, n):
     return np.where(k == 1, t, np.where(k == 2, -t, F32(0))).astype(F32)
 
 
+@_quiet
 def twobit_decompress_sum(codes, threshold, n, divisor):
     return _sum_div([twobit_decode(codes[r], threshold, n) for r in range(len(codes))], divisor)

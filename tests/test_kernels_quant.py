@@ -222,7 +222,7 @@ def test_onebit_table(path, block):
 
 @pytest.mark.parametrize("n", [0, 1, 31, 33, 97, 1009, 4097])
 @pytest.mark.parametrize("p", [1, 2, 5])
-@pytest.mark.parametrize("divisor", [1.0, 3.0, 5.0])
+@pytest.mark.parametrize("divisor", [1.0, 2.0, 3.0, 8.0, 0.25, -4.0, 2.0 ** 100, 2.0 ** -126, 7.1])
 def test_onebit_decompress_sum(path, n, p, divisor):
     block = 64
     rows = [ref.onebit_compress(gen(n, 100 * n + r), None, block) for r in range(p)]
@@ -386,7 +386,7 @@ def test_twobit_table(path):
 
 @pytest.mark.parametrize("n", [0, 1, 3, 5, 33, 1009, 9000])
 @pytest.mark.parametrize("p", [1, 2, 4])
-@pytest.mark.parametrize("divisor", [1.0, 3.0])
+@pytest.mark.parametrize("divisor", [1.0, 3.0, 4.0, 2.0 ** 127])
 def test_twobit_decompress_sum(path, n, p, divisor):
     t = 0.37
     rng = np.random.default_rng(n + p)
@@ -429,3 +429,98 @@ def test_twobit_validation():
     with pytest.raises(ValueError, match="bytes"):
         core.twobit_decompress_sum_array(np.zeros((2, 3), np.uint8), 1.0, np.empty(8, F32), 1.0)
     assert core.twobit_compress_array(EMPTY, EMPTY, EMPTY, 1.0, np.empty(0, np.uint8)) == 0
+
+
+@pytest.mark.parametrize("divisor", [2.0, 4.0, 2.0 ** 100, 2.0 ** 127, 2.0 ** -126, 2.0 ** -127,
+                                     2.0 ** -149, -2.0, 3.0])
+def test_decompress_divisor_rounding(path, divisor):
+    # power-of-two divisors take a multiply-by-exact-reciprocal path: must equal division
+    # also for subnormal, overflowing, zero, inf and NaN results
+    rng = np.random.default_rng(99)
+    n, block = 640, 32
+    vals = np.concatenate([SPECIAL, np.array([np.inf, np.nan, 3 * 1.4e-45, 5e-39, 3.4e38],
+                                             F32)])
+    scales = rng.choice(vals, size=(2, n // block)).astype(F32)
+    bits = rng.integers(0, 2 ** 32, size=(2, n // 32), dtype=np.uint32)
+    for p in (1, 2):
+        out = np.empty(n, F32)
+        with np.errstate(all="ignore"):
+            core.onebit_decompress_sum_array(bits[:p], scales[:p], block, out, divisor)
+            same(out, ref.onebit_decompress_sum(bits[:p], scales[:p], block, n, divisor))
+    codes = rng.integers(0, 256, size=(2, n // 4), dtype=np.uint8)
+    for t in (1.4e-45, 1e-40, 3.4e38, 1.0):
+        out = np.empty(n, F32)
+        with np.errstate(all="ignore"):
+            core.twobit_decompress_sum_array(codes, t, out, divisor)
+            same(out, ref.twobit_decompress_sum(codes, t, n, divisor))
+
+
+def test_readonly_inputs(path):
+    x = gen(100, 1)
+    x.flags.writeable = False
+    bits = np.empty(4, np.uint32)
+    scales = np.empty(2, F32)
+    assert core.onebit_compress_array(x, EMPTY, EMPTY, 64, bits, scales) == 0
+    same(bits, ref.onebit_compress(x, None, 64)[0])
+    codes = np.empty(25, np.uint8)
+    assert core.twobit_compress_array(x, EMPTY, EMPTY, 0.5, codes) == 0
+    same(codes, ref.twobit_compress(x, None, 0.5)[0])
+    bits.flags.writeable = False
+    scales.flags.writeable = False
+    out = np.empty(100, F32)
+    core.onebit_decompress_sum_array(bits[None], scales[None], 64, out, 1.0)
+    same(out, ref.onebit_decode(bits, scales, 64, 100))
+
+
+hyp = pytest.importorskip("hypothesis")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 300), min_size=0, max_size=8),
+       block=st.sampled_from([32, 64, 96, 128, 1024]),
+       seed=st.integers(0, 2 ** 31), special=st.booleans(), scalar=st.booleans(),
+       p=st.integers(1, 3))
+def test_property_tables(sizes, block, seed, special, scalar, p):
+    core.set_simd(force_scalar=scalar or len(PATHS) == 1)
+    try:
+        rng = np.random.default_rng(seed)
+        n = sum(sizes)
+        x = gen(n, seed, "special" if special else "normal")
+        arrs = split(x, sizes)[:-1] + [np.zeros(0, F32)]
+        ptrs, offsets, counts = table(arrs)
+        e = (rng.standard_normal(n) * 0.1).astype(F32)
+        eout = np.empty(n, F32)
+        bits = np.empty(-(-n // 32), np.uint32)
+        scales = np.empty(-(-n // block), F32)
+        with np.errstate(all="ignore"):
+            nbad = core.onebit_compress(ptrs, offsets, counts, 0, len(arrs), e, eout, block,
+                                        bits, scales)
+            want = ref.onebit_compress(x, e, block)
+        same(bits, want[0])
+        same(scales, want[1])
+        same(eout, want[2])
+        assert nbad == want[3]
+        codes = np.empty(-(-n // 4), np.uint8)
+        with np.errstate(all="ignore"):
+            nbad = core.twobit_compress(ptrs, offsets, counts, 0, len(arrs), e, eout, 0.3,
+                                        codes)
+            want2 = ref.twobit_compress(x, e, 0.3)
+        same(codes, want2[0])
+        same(eout, want2[1])
+        assert nbad == want2[2]
+        # decompress-sum of p copies into the same table layout
+        dst = [np.full(a.size, 4.0, F32) for a in arrs]
+        dp, do, dc = table(dst)
+        b2 = np.repeat(bits[None], p, axis=0)
+        s2 = np.repeat(scales[None], p, axis=0)
+        with np.errstate(all="ignore"):
+            core.onebit_decompress_sum(b2, s2, block, dp, do, dc, 0, len(dst), float(p))
+            if n:
+                same(np.concatenate(dst), ref.onebit_decompress_sum(b2, s2, block, n, float(p)))
+            c2 = np.repeat(codes[None], p, axis=0)
+            core.twobit_decompress_sum(c2, 0.3, dp, do, dc, 0, len(dst), float(p))
+            if n:
+                same(np.concatenate(dst), ref.twobit_decompress_sum(c2, 0.3, n, float(p)))
+    finally:
+        core.set_simd(force_scalar=False)
