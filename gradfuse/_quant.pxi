@@ -19,6 +19,10 @@ cdef extern from "_quant.h" nogil:
     int gf_twobit_decompress_sum(const uint8_t* codes, int64_t stride, int64_t p, float t,
                                  const int64_t* ptrs, const int64_t* counts,
                                  int64_t lo, int64_t hi, int64_t n, double divisor)
+    void gf_tb_init_spread()
+
+# build the 2-bit encoder's lookup table once, at import (not lazily inside nogil calls)
+gf_tb_init_spread()
 
 
 cdef int64_t _q_table_n(str name, const int64_t[::1] ptrs, const int64_t[::1] offsets,
