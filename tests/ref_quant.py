@@ -1,0 +1,118 @@
+"""Numpy reference of the 1-bit and 2-bit quantization kernels (the definition of the math).
+
+All arithmetic is float32, in the canonical order of docs/compressors_quant.md.
+"""
+import functools
+
+import numpy as np
+
+F32 = np.float32
+
+
+def _quiet(f):
+    """Overflow/NaN are defined results here, not warnings."""
+    @functools.wraps(f)
+    def g(*a, **k):
+        with np.errstate(all="ignore"):
+            return f(*a, **k)
+    return g
+
+
+def _residual_in(g, e):
+    g = np.ascontiguousarray(g, dtype=F32)
+    if e is None or (len(e) == 0 and len(g) > 0):   # empty residual: no error feedback
+        return g.copy(), False
+    return (g + np.asarray(e, dtype=F32)).astype(F32), True
+
+
+@_quiet
+def onebit_scales(c, block):
+    """Per-block mean |c| in the canonical order: 32 lane sums, shfl_down tree, / count."""
+    n = len(c)
+    if block < 32 or block % 32:
+        raise ValueError("block must be a multiple of 32, >= 32")
+    nblocks = -(-n // block)
+    a = np.zeros(nblocks * block, dtype=F32)
+    a[:n] = np.abs(c)
+    a = a.reshape(nblocks, block // 32, 32)
+    lanes = np.zeros((nblocks, 32), dtype=F32)
+    for i in range(block // 32):            # lane k: elements (j - start) % 32 == k, increasing j
+        lanes = lanes + a[:, i, :]
+    for off in (16, 8, 4, 2, 1):            # CUDA shfl_down order
+        lanes[:, :off] = lanes[:, :off] + lanes[:, off:2 * off]
+    counts = np.full(nblocks, block, dtype=F32)
+    if nblocks:
+        counts[-1] = F32(n - (nblocks - 1) * block)
+    return (lanes[:, 0] / counts).astype(F32)
+
+
+@_quiet
+def onebit_compress(g, e, block):
+    """Returns (bits uint32[ceil(n/32)], scales float32[ceil(n/block)], residual or None, nbad)."""
+    c, fb = _residual_in(g, e)
+    n = len(c)
+    s = onebit_scales(c, block)
+    bit = c >= 0                                        # -0 -> True, NaN -> False
+    nw = -(-n // 32)
+    padded = np.zeros(nw * 32, dtype=bool)
+    padded[:n] = bit
+    bits = np.packbits(padded, bitorder="little").view("<u4").astype(np.uint32) if nw else \
+        np.zeros(0, dtype=np.uint32)
+    sj = np.repeat(s, block)[:n]
+    v = np.where(bit, sj, -sj).astype(F32)
+    res = (c - v).astype(F32) if fb else None
+    nbad = int(np.count_nonzero(~np.isfinite(s)))
+    return bits, s, res, nbad
+
+
+def onebit_decode(bits, scales, block, n):
+    bit = np.unpackbits(np.asarray(bits, dtype="<u4").view(np.uint8), bitorder="little")[:n]
+    sj = np.repeat(np.asarray(scales, dtype=F32), block)[:n]
+    return np.where(bit.astype(bool), sj, -sj).astype(F32)
+
+
+def _sum_div(vals, divisor):
+    acc = vals[0].copy()
+    for v in vals[1:]:
+        acc = (acc + v).astype(F32)
+    if divisor != 1.0:
+        acc = (acc / F32(divisor)).astype(F32)
+    return acc
+
+
+@_quiet
+def onebit_decompress_sum(bits, scales, block, n, divisor):
+    """bits (p, nwords), scales (p, nblocks): ((v0 + v1) + ...) / float32(divisor)."""
+    return _sum_div([onebit_decode(bits[r], scales[r], block, n) for r in range(len(bits))],
+                    divisor)
+
+
+@_quiet
+def twobit_compress(g, e, threshold):
+    """Returns (codes uint8[ceil(n/4)], residual or None, number of non-finite c)."""
+    t = F32(threshold)
+    c, fb = _residual_in(g, e)
+    n = len(c)
+    ge = c >= t
+    le = c <= -t
+    q = np.where(ge, t, np.where(le, -t, F32(0))).astype(F32)
+    code = np.where(ge, 1, np.where(le, 2, 0)).astype(np.uint8)
+    nb = -(-n // 4)
+    pad = np.zeros(nb * 4, dtype=np.uint8)
+    pad[:n] = code
+    pad = pad.reshape(nb, 4)
+    codes = (pad[:, 0] | (pad[:, 1] << 2) | (pad[:, 2] << 4) | (pad[:, 3] << 6)).astype(np.uint8)
+    res = (c - q).astype(F32) if fb else None
+    return codes, res, int(np.count_nonzero(~np.isfinite(c)))
+
+
+def twobit_decode(codes, threshold, n):
+    t = F32(threshold)
+    codes = np.asarray(codes, dtype=np.uint8)
+    k = np.stack([(codes >> (2 * i)) & 3 for i in range(4)], axis=1).reshape(-1)[:n]
+    return np.where(k == 1, t, np.where(k == 2, -t, F32(0))).astype(F32)
+
+
+@_quiet
+def twobit_decompress_sum(codes, threshold, n, divisor):
+    return _sum_div([twobit_decode(codes[r], threshold, n) for r in range(len(codes))], divisor)
