@@ -33,6 +33,41 @@ class Communicator(ABC):
     def allreduce(self, src, dst):
         """Sum ``src`` across all ranks into ``dst`` (same shape and dtype)."""
 
+    # Further data-plane collectives (numpy arrays, contiguous; called from the
+    # communication thread). A communicator that lacks one raises NotImplementedError.
+    def allreduce_op(self, src, dst, op):
+        """Reduce with ``op`` in ("sum", "min", "max", "prod") from ``src`` into ``dst``."""
+        raise NotImplementedError(f"{self.kind} communicator has no allreduce_op")
+
+    def bcast(self, arr, root):
+        """Broadcast ``arr`` in place from ``root``."""
+        raise NotImplementedError(f"{self.kind} communicator has no bcast")
+
+    def allgather(self, src, dst):
+        """Gather equal-size ``src`` from every rank into ``dst`` (rank-major)."""
+        raise NotImplementedError(f"{self.kind} communicator has no allgather")
+
+    def allgatherv(self, src, dst, counts):
+        """Gather ``counts[r]`` elements from rank r into ``dst``, in rank order."""
+        raise NotImplementedError(f"{self.kind} communicator has no allgatherv")
+
+    def alltoall(self, src, dst):
+        """Send block r of ``src`` (equal blocks) to rank r; block r of ``dst`` comes from rank r."""
+        raise NotImplementedError(f"{self.kind} communicator has no alltoall")
+
+    def alltoallv(self, src, send_counts, dst, recv_counts):
+        """Variable-size all-to-all; counts are in elements, blocks are in rank order."""
+        raise NotImplementedError(f"{self.kind} communicator has no alltoallv")
+
+    def reduce_scatter(self, src, dst, counts, op="sum"):
+        """Reduce ``src`` with ``op`` and leave block r (``counts[r]`` elements) on rank r."""
+        raise NotImplementedError(f"{self.kind} communicator has no reduce_scatter")
+
+    def split(self, ranks):
+        """A new communicator of the given ranks of this one (called by all ranks here;
+        ranks not listed get None)."""
+        raise NotImplementedError(f"{self.kind} communicator has no split")
+
     # --- control plane -------------------------------------------------------------
     @abstractmethod
     def ctl_isend(self, data: bytes, dest: int):

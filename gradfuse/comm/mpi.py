@@ -39,6 +39,30 @@ def _f16_sum_op():
     return _F16_SUM
 
 
+_F16_OPS = {}
+_KNOWN = tuple(np.dtype(d) for d in (np.float16, np.float32, np.float64, np.int32, np.int64))
+
+
+def _bytes(arr):
+    """A flat byte view of a contiguous array (the payload collectives move raw bytes)."""
+    return np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+
+
+def _f16_op(op):
+    """min/max/prod for float16 words, computed in float32 (prod rounded once)."""
+    if op not in _F16_OPS:
+        MPI = mpi()
+        fn = {"min": np.minimum, "max": np.maximum, "prod": np.multiply}[op]
+
+        def _apply(inbuf, inoutbuf, datatype):
+            a = np.frombuffer(inbuf, dtype=np.float16)
+            b = np.frombuffer(inoutbuf, dtype=np.float16)
+            b[...] = fn(a.astype(np.float32), b.astype(np.float32)).astype(np.float16)
+
+        _F16_OPS[op] = MPI.Op.Create(_apply, commute=True)
+    return _F16_OPS[op]
+
+
 def _type_and_op(dtype):
     MPI = mpi()
     if dtype == np.float32:
@@ -126,6 +150,65 @@ class MPICommunicator(Communicator):
         mtype, op = _type_and_op(src.dtype)
         self.data.Allreduce([src, mtype], [dst, mtype], op=op)
         return dst
+
+    def allreduce_op(self, src, dst, op):
+        MPI = mpi()
+        mtype, sum_op = _type_and_op(src.dtype)
+        if op == "sum":
+            mop = sum_op
+        elif src.dtype == np.float16:
+            mop = _f16_op(op)
+        else:
+            mop = {"min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}[op]
+        send = self._in_place if src is dst else [src, mtype]
+        self.data.Allreduce(send, [dst, mtype], op=mop)
+        return dst
+
+    def bcast(self, arr, root):
+        mtype, _ = _type_and_op(arr.dtype) if arr.dtype in _KNOWN else (mpi().BYTE, None)
+        buf = arr if mtype is not mpi().BYTE else arr.reshape(-1).view(np.uint8)
+        self.data.Bcast([buf, mtype], root=root)
+        return arr
+
+    def allgather(self, src, dst):
+        self.data.Allgather([_bytes(src), mpi().BYTE], [_bytes(dst), mpi().BYTE])
+        return dst
+
+    def allgatherv(self, src, dst, counts):
+        item = dst.dtype.itemsize
+        sizes = [int(c) * item for c in counts]
+        displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist()
+        self.data.Allgatherv([_bytes(src), mpi().BYTE], [_bytes(dst), (sizes, displs), mpi().BYTE])
+        return dst
+
+    def alltoall(self, src, dst):
+        self.data.Alltoall([_bytes(src), mpi().BYTE], [_bytes(dst), mpi().BYTE])
+        return dst
+
+    def alltoallv(self, src, send_counts, dst, recv_counts):
+        item = src.dtype.itemsize
+        ss = [int(c) * item for c in send_counts]
+        rs = [int(c) * item for c in recv_counts]
+        sd = np.concatenate([[0], np.cumsum(ss)[:-1]]).astype(np.int64).tolist()
+        rd = np.concatenate([[0], np.cumsum(rs)[:-1]]).astype(np.int64).tolist()
+        self.data.Alltoallv([_bytes(src), (ss, sd), mpi().BYTE], [_bytes(dst), (rs, rd), mpi().BYTE])
+        return dst
+
+    def reduce_scatter(self, src, dst, counts, op="sum"):
+        MPI = mpi()
+        mtype, sum_op = _type_and_op(src.dtype)
+        mop = sum_op if op == "sum" else (_f16_op(op) if src.dtype == np.float16 else
+                                          {"min": MPI.MIN, "max": MPI.MAX, "prod": MPI.PROD}[op])
+        self.data.Reduce_scatter([src, mtype], [dst, mtype], recvcounts=[int(c) for c in counts], op=mop)
+        return dst
+
+    def split(self, ranks):
+        ranks = sorted(int(r) for r in ranks)
+        color = 0 if self.rank in ranks else mpi().UNDEFINED
+        sub = self.user_comm.Split(color=color, key=self.rank)
+        if sub == mpi().COMM_NULL:
+            return None
+        return MPICommunicator(sub)
 
     # --- control plane -------------------------------------------------------------
     def ctl_isend(self, data, dest):
