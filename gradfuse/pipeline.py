@@ -353,6 +353,7 @@ class Pipeline:
         plan = entry.plan
         src = in_ptrs[plan.order]
         dst = out_ptrs[plan.order]
+        inplace = bool(np.array_equal(src, dst))
         ctx, stats = self._ctx, self.stats
         average = self.average
 
@@ -365,7 +366,9 @@ class Pipeline:
                 raise
             divide = average and comm.size > 1
             size = float(comm.size)
-            for b in plan.buckets:
+            # one rank, in place: the sum (and the mean) of one tensor is the tensor itself
+            buckets = () if comm.size == 1 and inplace else plan.buckets
+            for b in buckets:
                 if b.direct:
                     i = int(plan.order[b.lo])
                     if src[b.lo] == dst[b.lo]:
