@@ -2,20 +2,23 @@
  * Top-k and random-k sparsification kernels (see docs/compressors_sparse.md).
  *
  * Everything here is integer selection logic plus one float32 add per element
- * (c = g + e) and one float32 add/divide per selected element on decompress, so the
- * scalar and AVX2 paths give identical bits by construction: the AVX2 paths only
- * speed up the element-wise add and the candidate scan, never change an order.
+ * (c = g + e) and float32 adds/divides on decompress, so the scalar and AVX2 paths
+ * give identical bits by construction: the AVX2 code only speeds up the element-wise
+ * add, the hash and the candidate scan, it never changes an order.
  *
  * Selection ("the k largest keys, ties to the lower index, indices ascending") is a
- * two-level radix select on 32-bit keys, O(n):
- *   top-k:    key = bits(c) & 0x7fffffff      (|c| as uint32: same order as |c|,
- *                                               NaN patterns above +inf)
- *   random-k: key = ~h, h = splitmix64(seed + i) >> 32   (largest ~h == smallest h)
- * Level 1: histogram of key >> 16 (fused into the pass that produces c or h) gives the
- * bin B that holds the k-th largest key. Candidate pass: the indices whose key >> 16
- * >= B, in ascending order. Level 2: histogram of the low 16 bits of the candidates in
- * bin B gives the threshold key T with count(key > T) < k <= count(key >= T). Output:
- * the candidates with key > T, plus the first (k - count(key > T)) with key == T.
+ * radix select on 32-bit keys, O(n), with no n-sized scratch:
+ *   top-k:    raw = bits(c), key = raw & 0x7fffffff   (|c| as uint32: the order of |c|,
+ *                                                      NaN patterns above +inf)
+ *   random-k: raw = key = ~h, h = splitmix64(seed + i) >> 32 (largest ~h == smallest h)
+ * The key is cut in three digits, bits 31..21, 20..10, 9..0. Level 1: a histogram of
+ * the top digit (fused into the pass that produces c or h) gives the bin B1 holding the
+ * k-th largest key. Then either (few candidates: the usual case) one scan collects the
+ * (index, raw) of every element with top digit >= B1, in ascending index order, and
+ * levels 2 and 3 and the output run on those candidates only; or (many candidates,
+ * e.g. an all-zero bucket) levels 2, 3 and the output are each a pass over the source.
+ * The levels give the threshold key T with count(key > T) < k <= count(key >= T); the
+ * output is every element with key > T plus the first k - count(key > T) with key == T.
  *
  * Return codes of the int functions: >= 0 success (compress: the number of non-finite
  * c values), -1: out of memory.
@@ -35,7 +38,11 @@
 #define GF_SP_HAVE_AVX2 0
 #endif
 
-#define GF_SP_BINS 65536
+/* tests only: 1 forces the scratch-free path of gf_sp_select (levels over the source) */
+static int gf_sp_no_candidates = 0;
+
+#define GF_SP_B1 2048                   /* level-1 bins: key >> 21 */
+#define GF_SP_BLK 2048                  /* staging block of the hash/table streams */
 
 static inline uint32_t gf_sp_fbits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
@@ -53,241 +60,17 @@ static inline uint32_t gf_sp_rk_hash(uint64_t seed, uint64_t i)
 }
 
 /* ------------------------------------------------------------------------------ */
-/* candidate scan: cand <- every j with ((raw[j] & mask) >> 16) >= B, ascending.   */
-/* cand must hold one slot more than the number of candidates.                      */
+/* random-k keys: buf[i] = ~h(i0 + i), i < len                                      */
 
-static int64_t gf_sp_scan_scalar(const uint32_t* raw, uint32_t mask, int64_t n,
-                                 uint32_t B, uint32_t* cand)
-{
-    int64_t j, m = 0;
-    for (j = 0; j < n; j++) {
-        cand[m] = (uint32_t) j;
-        m += ((raw[j] & mask) >> 16) >= B;
-    }
-    return m;
-}
-
-#if GF_SP_HAVE_AVX2
-__attribute__((target("avx2")))
-static int64_t gf_sp_scan_avx2(const uint32_t* raw, uint32_t mask, int64_t n,
-                               uint32_t B, uint32_t* cand)
-{
-    int64_t j = 0, m = 0;
-    /* unsigned (key >> 16) >= B  <=>  (key >> 16) > B - 1 as signed, since both
-       sides fit in 17 bits; B == 0 selects everything. */
-    const __m256i vm = _mm256_set1_epi32((int) mask);
-    const __m256i vb = _mm256_set1_epi32((int) B - 1);
-    for (; j + 32 <= n; j += 32) {
-        __m256i k0 = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + j)), vm), 16);
-        __m256i k1 = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + j + 8)), vm), 16);
-        __m256i k2 = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + j + 16)), vm), 16);
-        __m256i k3 = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + j + 24)), vm), 16);
-        uint32_t b0 = (uint32_t) _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k0, vb)));
-        uint32_t b1 = (uint32_t) _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k1, vb)));
-        uint32_t b2 = (uint32_t) _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k2, vb)));
-        uint32_t b3 = (uint32_t) _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k3, vb)));
-        uint32_t bits = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
-        while (bits) {
-            cand[m++] = (uint32_t) (j + __builtin_ctz(bits));
-            bits &= bits - 1;
-        }
-    }
-    for (; j < n; j++) {
-        cand[m] = (uint32_t) j;
-        m += ((raw[j] & mask) >> 16) >= B;
-    }
-    return m;
-}
-#endif
-
-/*
- * Select the k largest (raw[j] & mask), ties to the lower index, into out[0..k-1]
- * ascending. hist: the level-1 histogram of (raw[j] & mask) >> 16 over all n (it is
- * clobbered). 0 <= k <= n. Returns 0, or -1 when out of memory.
- */
-static int gf_sp_select(const uint32_t* raw, uint32_t mask, int64_t n, int64_t k,
-                        uint32_t* hist, uint32_t* out)
-{
-    int64_t j, m, cum, ncand, need;
-    uint32_t B, L, T, key;
-    int64_t b;
-    uint32_t* cand;
-
-    if (k <= 0)
-        return 0;
-    if (k >= n) {
-        for (j = 0; j < n; j++)
-            out[j] = (uint32_t) j;
-        return 0;
-    }
-    /* level 1: the bin B of the k-th largest key; cum = count(key >> 16 > B) */
-    cum = 0;
-    B = 0;
-    for (b = GF_SP_BINS - 1; b >= 0; b--) {
-        if (cum + (int64_t) hist[b] >= k) { B = (uint32_t) b; break; }
-        cum += hist[b];
-    }
-    ncand = cum + (int64_t) hist[B];
-    /* + 1: the branch-free scan stores one slot past the last candidate */
-    cand = (uint32_t*) malloc((size_t) (ncand + 1) * sizeof(uint32_t));
-    if (cand == NULL)
-        return -1;
-#if GF_SP_HAVE_AVX2
-    if (gf_use_avx2)
-        m = gf_sp_scan_avx2(raw, mask, n, B, cand);
-    else
-#endif
-        m = gf_sp_scan_scalar(raw, mask, n, B, cand);
-    (void) m;   /* == ncand */
-    /* level 2: low 16 bits of the keys in bin B */
-    memset(hist, 0, GF_SP_BINS * sizeof(uint32_t));
-    for (j = 0; j < ncand; j++) {
-        key = raw[cand[j]] & mask;
-        if ((key >> 16) == B)
-            hist[key & 0xffff]++;
-    }
-    L = 0;
-    for (b = GF_SP_BINS - 1; b >= 0; b--) {
-        if (cum + (int64_t) hist[b] >= k) { L = (uint32_t) b; break; }
-        cum += hist[b];
-    }
-    T = (B << 16) | L;
-    need = k - cum;     /* how many keys == T to take, lowest indices first */
-    m = 0;
-    for (j = 0; j < ncand; j++) {
-        key = raw[cand[j]] & mask;
-        if (key > T) {
-            out[m++] = cand[j];
-        } else if (key == T && need > 0) {
-            out[m++] = cand[j];
-            need--;
-        }
-    }
-    free(cand);
-    return 0;
-}
-
-/* ------------------------------------------------------------------------------ */
-/* pass 1 of top-k: c = g + e over a table, level-1 histogram, non-finite count     */
-
-static inline void gf_sp_c_run_scalar(const float* g, const float* e, float* c,
-                                      int64_t cnt, uint32_t* hist, int64_t* nonfinite)
-{
-    int64_t i, bad = 0;
-    uint32_t key;
-    for (i = 0; i < cnt; i++) {
-        float v = e ? g[i] + e[i] : g[i];
-        c[i] = v;
-        key = gf_sp_fbits(v) & 0x7fffffffu;
-        hist[key >> 16]++;
-        bad += key >= 0x7f800000u;
-    }
-    *nonfinite += bad;
-}
-
-#if GF_SP_HAVE_AVX2
-__attribute__((target("avx2")))
-static void gf_sp_c_run_avx2(const float* g, const float* e, float* c,
-                             int64_t cnt, uint32_t* hist, int64_t* nonfinite)
-{
-    int64_t i = 0, bad = 0;
-    uint32_t key;
-    const __m256i vabs = _mm256_set1_epi32(0x7fffffff);
-    const __m256i vinf = _mm256_set1_epi32(0x7f7fffff);
-    __m256i vbad = _mm256_setzero_si256();
-    uint32_t keys[8];
-    int t;
-    for (; i + 8 <= cnt; i += 8) {
-        __m256 v = _mm256_loadu_ps(g + i);
-        if (e)
-            v = _mm256_add_ps(v, _mm256_loadu_ps(e + i));
-        _mm256_storeu_ps(c + i, v);
-        __m256i kv = _mm256_and_si256(_mm256_castps_si256(v), vabs);
-        vbad = _mm256_sub_epi32(vbad, _mm256_cmpgt_epi32(kv, vinf));
-        _mm256_storeu_si256((__m256i*) keys, _mm256_srli_epi32(kv, 16));
-        for (t = 0; t < 8; t++)
-            hist[keys[t]]++;
-    }
-    _mm256_storeu_si256((__m256i*) keys, vbad);
-    for (t = 0; t < 8; t++)
-        bad += keys[t];
-    for (; i < cnt; i++) {
-        float v = e ? g[i] + e[i] : g[i];
-        c[i] = v;
-        key = gf_sp_fbits(v) & 0x7fffffffu;
-        hist[key >> 16]++;
-        bad += key >= 0x7f800000u;
-    }
-    *nonfinite += bad;
-}
-#endif
-
-/*
- * Top-k over a table. e_in/e_out: both NULL or both n long (may be equal). values,
- * indices: k long. Returns the number of non-finite c, or -1 when out of memory.
- */
-static int64_t gf_sp_topk(const int64_t* src, const int64_t* offsets, const int64_t* counts,
-                          int64_t lo, int64_t hi, int64_t n,
-                          const float* e_in, float* e_out, int64_t k,
-                          float* values, uint32_t* indices)
-{
-    uint32_t* hist;
-    float* c;
-    float* scratch = NULL;
-    int64_t t, m, nonfinite = 0;
-    int rc;
-
-    hist = (uint32_t*) calloc(GF_SP_BINS, sizeof(uint32_t));
-    if (hist == NULL)
-        return -1;
-    if (e_out) {
-        c = e_out;
-    } else {
-        scratch = (float*) malloc((size_t) (n > 0 ? n : 1) * sizeof(float));
-        if (scratch == NULL) { free(hist); return -1; }
-        c = scratch;
-    }
-    for (t = lo; t < hi; t++) {
-        const float* g = (const float*) (uintptr_t) src[t];
-        int64_t off = offsets[t], cnt = counts[t];
-        if (cnt <= 0)
-            continue;
-#if GF_SP_HAVE_AVX2
-        if (gf_use_avx2)
-            gf_sp_c_run_avx2(g, e_in ? e_in + off : NULL, c + off, cnt, hist, &nonfinite);
-        else
-#endif
-            gf_sp_c_run_scalar(g, e_in ? e_in + off : NULL, c + off, cnt, hist, &nonfinite);
-    }
-    rc = gf_sp_select((const uint32_t*) c, 0x7fffffffu, n, k, hist, indices);
-    if (rc == 0) {
-        for (m = 0; m < k; m++)
-            values[m] = c[indices[m]];
-        if (e_out)
-            for (m = 0; m < k; m++)
-                e_out[indices[m]] = 0.0f;
-    }
-    free(hist);
-    free(scratch);
-    return rc < 0 ? -1 : nonfinite;
-}
-
-/* ------------------------------------------------------------------------------ */
-/* random-k                                                                         */
-
-/* keys[i] = ~h_i for i in [i0, i1) and their level-1 histogram */
-static void gf_sp_rk_keys_scalar(uint64_t seed, int64_t i0, int64_t i1, uint32_t* keys, uint32_t* hist)
+static void gf_sp_rk_fill_scalar(uint64_t seed, int64_t i0, int64_t len, uint32_t* buf)
 {
     int64_t i;
-    for (i = i0; i < i1; i++) {
-        uint32_t key = ~gf_sp_rk_hash(seed, (uint64_t) i);
-        keys[i] = key;
-        hist[key >> 16]++;
-    }
+    for (i = 0; i < len; i++)
+        buf[i] = ~gf_sp_rk_hash(seed, (uint64_t) (i0 + i));
 }
 
 #if GF_SP_HAVE_AVX2
-/* 64x64 -> low 64 bit multiply by a constant, from 32-bit products (AVX2 has no vpmullq) */
+/* low 64 bits of a * c per lane, from 32-bit products (AVX2 has no vpmullq) */
 __attribute__((target("avx2")))
 static inline __m256i gf_sp_mul64c(__m256i a, uint64_t c)
 {
@@ -301,18 +84,16 @@ static inline __m256i gf_sp_mul64c(__m256i a, uint64_t c)
 }
 
 __attribute__((target("avx2")))
-static void gf_sp_rk_keys_avx2(uint64_t seed, int64_t i0, int64_t i1, uint32_t* keys, uint32_t* hist)
+static void gf_sp_rk_fill_avx2(uint64_t seed, int64_t i0, int64_t len, uint32_t* buf)
 {
-    int64_t i = i0;
-    uint32_t tmp[8];
-    int t;
+    int64_t i = 0;
     const __m256i step = _mm256_set1_epi64x(8);
     __m256i z0 = _mm256_add_epi64(_mm256_set1_epi64x((long long) (seed + (uint64_t) i0 + 0x9e3779b97f4a7c15ULL)),
                                   _mm256_setr_epi64x(0, 1, 2, 3));
     __m256i z1 = _mm256_add_epi64(z0, _mm256_set1_epi64x(4));
     const __m256i ones = _mm256_set1_epi32(-1);
     const __m256i perm = _mm256_setr_epi32(1, 3, 5, 7, 0, 2, 4, 6);
-    for (; i + 8 <= i1; i += 8) {
+    for (; i + 8 <= len; i += 8) {
         __m256i a = z0, b = z1;
         a = gf_sp_mul64c(_mm256_xor_si256(a, _mm256_srli_epi64(a, 30)), 0xbf58476d1ce4e5b9ULL);
         b = gf_sp_mul64c(_mm256_xor_si256(b, _mm256_srli_epi64(b, 30)), 0xbf58476d1ce4e5b9ULL);
@@ -320,28 +101,439 @@ static void gf_sp_rk_keys_avx2(uint64_t seed, int64_t i0, int64_t i1, uint32_t* 
         b = gf_sp_mul64c(_mm256_xor_si256(b, _mm256_srli_epi64(b, 27)), 0x94d049bb133111ebULL);
         a = _mm256_xor_si256(a, _mm256_srli_epi64(a, 31));
         b = _mm256_xor_si256(b, _mm256_srli_epi64(b, 31));
-        /* high halves of the 4+4 lanes, in order */
-        __m256i ha = _mm256_permutevar8x32_epi32(a, perm);   /* lanes 0..3 = high words */
+        /* the high 32-bit words of the 4 + 4 lanes, in lane order */
+        __m256i ha = _mm256_permutevar8x32_epi32(a, perm);
         __m256i hb = _mm256_permutevar8x32_epi32(b, perm);
         __m256i h = _mm256_permute2x128_si256(ha, hb, 0x20);
-        h = _mm256_xor_si256(h, ones);
-        _mm256_storeu_si256((__m256i*) (keys + i), h);
-        _mm256_storeu_si256((__m256i*) tmp, _mm256_srli_epi32(h, 16));
-        for (t = 0; t < 8; t++)
-            hist[tmp[t]]++;
+        _mm256_storeu_si256((__m256i*) (buf + i), _mm256_xor_si256(h, ones));
         z0 = _mm256_add_epi64(z0, step);
         z1 = _mm256_add_epi64(z1, step);
     }
-    gf_sp_rk_keys_scalar(seed, i, i1, keys, hist);
+    gf_sp_rk_fill_scalar(seed, i0 + i, len - i, buf + i);
 }
 #endif
+
+static inline void gf_sp_rk_fill(uint64_t seed, int64_t i0, int64_t len, uint32_t* buf)
+{
+#if GF_SP_HAVE_AVX2
+    if (gf_use_avx2) { gf_sp_rk_fill_avx2(seed, i0, len, buf); return; }
+#endif
+    gf_sp_rk_fill_scalar(seed, i0, len, buf);
+}
+
+/* ------------------------------------------------------------------------------ */
+/* key streams: the bucket's raw words in index order, one block at a time          */
+
+#define GF_SP_ARRAY 0   /* contiguous uint32 words (c in e_out) */
+#define GF_SP_TABLE 1   /* float32 tensors of a table */
+#define GF_SP_HASH 2    /* ~h_i of random-k, computed into a staging block */
+
+typedef struct {
+    int kind;
+    uint32_t mask;              /* key = raw & mask */
+    int64_t n;
+    const uint32_t* arr;
+    const int64_t *src, *offsets, *counts;
+    int64_t lo, hi;
+    uint64_t seed;
+} gf_sp_stream;
+
+typedef struct {
+    int64_t t, pos, j;          /* table row and position in it; next bucket index */
+    uint32_t buf[GF_SP_BLK];
+} gf_sp_iter;
+
+static void gf_sp_iter_init(const gf_sp_stream* s, gf_sp_iter* it)
+{
+    it->t = s->lo;
+    it->pos = 0;
+    it->j = 0;
+}
+
+/* Next block: *p <- its raw words, *j0 <- bucket index of the first; returns its length (0: end). */
+static int64_t gf_sp_next(const gf_sp_stream* s, gf_sp_iter* it, const uint32_t** p, int64_t* j0)
+{
+    int64_t len;
+    if (s->kind == GF_SP_TABLE) {
+        while (it->t < s->hi && it->pos >= s->counts[it->t]) {
+            it->t++;
+            it->pos = 0;
+        }
+        if (it->t >= s->hi)
+            return 0;
+        len = s->counts[it->t] - it->pos;
+        if (len > (int64_t) 1 << 20)
+            len = (int64_t) 1 << 20;
+        *p = (const uint32_t*) (uintptr_t) s->src[it->t] + it->pos;
+        *j0 = s->offsets[it->t] + it->pos;
+        it->pos += len;
+        return len;
+    }
+    if (it->j >= s->n)
+        return 0;
+    if (s->kind == GF_SP_ARRAY) {
+        len = s->n - it->j;
+        if (len > (int64_t) 1 << 20)
+            len = (int64_t) 1 << 20;
+        *p = s->arr + it->j;
+    } else {
+        len = s->n - it->j;
+        if (len > GF_SP_BLK)
+            len = GF_SP_BLK;
+        gf_sp_rk_fill(s->seed, it->j, len, it->buf);
+        *p = it->buf;
+    }
+    *j0 = it->j;
+    it->j += len;
+    return len;
+}
+
+/* ------------------------------------------------------------------------------ */
+/* level-1 histogram (4 interleaved copies: repeated bins don't serialise)           */
+
+static void gf_sp_hist1_run(const uint32_t* raw, int64_t len, uint32_t mask, uint32_t* h4)
+{
+    int64_t i = 0;
+    for (; i + 4 <= len; i += 4) {
+        h4[(raw[i] & mask) >> 21]++;
+        h4[GF_SP_B1 + ((raw[i + 1] & mask) >> 21)]++;
+        h4[2 * GF_SP_B1 + ((raw[i + 2] & mask) >> 21)]++;
+        h4[3 * GF_SP_B1 + ((raw[i + 3] & mask) >> 21)]++;
+    }
+    for (; i < len; i++)
+        h4[(raw[i] & mask) >> 21]++;
+}
+
+static void gf_sp_hist1_fold(uint32_t* h4)
+{
+    int b;
+    for (b = 0; b < GF_SP_B1; b++)
+        h4[b] += h4[GF_SP_B1 + b] + h4[2 * GF_SP_B1 + b] + h4[3 * GF_SP_B1 + b];
+}
+
+static int64_t gf_sp_count_nonfinite(const uint32_t* raw, int64_t len)
+{
+    int64_t i, bad = 0;
+    for (i = 0; i < len; i++)
+        bad += (raw[i] & 0x7fffffffu) >= 0x7f800000u;
+    return bad;
+}
+
+/* ------------------------------------------------------------------------------ */
+/* candidate scan: (idx, raw) of every element with key >> 21 >= B1, ascending.     */
+/* The branch-free scalar loop stores one slot past the last candidate.             */
+
+static int64_t gf_sp_scan_scalar(const uint32_t* raw, int64_t len, int64_t j0, uint32_t mask,
+                                 uint32_t B1, uint32_t* cidx, uint32_t* craw)
+{
+    int64_t i, m = 0;
+    for (i = 0; i < len; i++) {
+        cidx[m] = (uint32_t) (j0 + i);
+        craw[m] = raw[i];
+        m += ((raw[i] & mask) >> 21) >= B1;
+    }
+    return m;
+}
+
+#if GF_SP_HAVE_AVX2
+__attribute__((target("avx2")))
+static int64_t gf_sp_scan_avx2(const uint32_t* raw, int64_t len, int64_t j0, uint32_t mask,
+                               uint32_t B1, uint32_t* cidx, uint32_t* craw)
+{
+    int64_t i = 0, m = 0;
+    /* key >> 21 >= B1 <=> (signed) key >> 21 > B1 - 1: both sides are in -1..2047 */
+    const __m256i vm = _mm256_set1_epi32((int) mask);
+    const __m256i vb = _mm256_set1_epi32((int) B1 - 1);
+    for (; i + 32 <= len; i += 32) {
+        __m256i k0 = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + i)), vm), 21);
+        __m256i k1 = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + i + 8)), vm), 21);
+        __m256i k2 = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + i + 16)), vm), 21);
+        __m256i k3 = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + i + 24)), vm), 21);
+        uint32_t b0 = (uint32_t) _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k0, vb)));
+        uint32_t b1 = (uint32_t) _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k1, vb)));
+        uint32_t b2 = (uint32_t) _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k2, vb)));
+        uint32_t b3 = (uint32_t) _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k3, vb)));
+        uint32_t bits = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
+        while (bits) {
+            int q = __builtin_ctz(bits);
+            cidx[m] = (uint32_t) (j0 + i + q);
+            craw[m] = raw[i + q];
+            m++;
+            bits &= bits - 1;
+        }
+    }
+    return m + gf_sp_scan_scalar(raw + i, len - i, j0 + i, mask, B1, cidx + m, craw + m);
+}
+#endif
+
+/* ------------------------------------------------------------------------------ */
+/* levels 2 and 3, and the output                                                   */
+
+/* the bin of the k-th largest key among bins[nb-1..0], after *cum keys above them */
+static uint32_t gf_sp_find_bin(const uint32_t* hist, int64_t nb, int64_t* cum, int64_t k)
+{
+    int64_t b;
+    for (b = nb - 1; b > 0; b--) {
+        if (*cum + (int64_t) hist[b] >= k)
+            return (uint32_t) b;
+        *cum += hist[b];
+    }
+    return 0;
+}
+
+/* hist of digit (key >> shift) & (nb - 1) over keys whose key >> (shift + bits) == prefix */
+static void gf_sp_hist_level(const uint32_t* raw, int64_t len, uint32_t mask, int shift, int bits,
+                             uint32_t prefix, uint32_t* hist)
+{
+    int64_t i;
+    uint32_t dmask = ((uint32_t) 1 << bits) - 1;
+    for (i = 0; i < len; i++) {
+        uint32_t key = raw[i] & mask;
+        if ((key >> (shift + bits)) == prefix)
+            hist[(key >> shift) & dmask]++;
+    }
+}
+
+/* out <- (idx, raw) of keys > T and the first *need keys == T, in order; returns the count */
+static int64_t gf_sp_emit(const uint32_t* raw, const uint32_t* idx, int64_t len, int64_t j0,
+                          uint32_t mask, uint32_t T, int64_t* need, uint32_t* oidx, uint32_t* oraw)
+{
+    int64_t i, m = 0;
+    for (i = 0; i < len; i++) {
+        uint32_t key = raw[i] & mask;
+        if (key > T || (key == T && *need > 0)) {
+            if (key == T)
+                (*need)--;
+            oidx[m] = idx ? idx[i] : (uint32_t) (j0 + i);
+            if (oraw)
+                oraw[m] = raw[i];
+            m++;
+        }
+    }
+    return m;
+}
+
+/*
+ * Select the k largest keys of the stream (ties to the lower index) into oidx[0..k-1]
+ * ascending, and their raw words into oraw (if not NULL). hist1: the folded level-1
+ * histogram. 0 < k < n. Returns 0, or -1 when out of memory.
+ */
+static int gf_sp_select(const gf_sp_stream* s, int64_t k, const uint32_t* hist1,
+                        uint32_t* oidx, uint32_t* oraw)
+{
+    static const int shifts[2] = {10, 0}, widths[2] = {11, 10};
+    int64_t cum = 0, ncand, m, need, len, j0;
+    uint32_t prefix, hist[GF_SP_B1];
+    uint32_t *cidx = NULL, *craw = NULL;
+    const uint32_t* p;
+    gf_sp_iter* it;
+    int lv;
+
+    it = (gf_sp_iter*) malloc(sizeof(gf_sp_iter));
+    if (it == NULL)
+        return -1;
+    prefix = gf_sp_find_bin(hist1, GF_SP_B1, &cum, k);
+    ncand = cum + (int64_t) hist1[prefix];
+    if (!gf_sp_no_candidates && ncand <= s->n / 4 + 1024) {
+        cidx = (uint32_t*) malloc((size_t) (ncand + 1) * sizeof(uint32_t));
+        craw = (uint32_t*) malloc((size_t) (ncand + 1) * sizeof(uint32_t));
+        if (cidx == NULL || craw == NULL) {
+            free(cidx);
+            free(craw);
+            cidx = craw = NULL;      /* fall back on the scratch-free path */
+        }
+    }
+    if (cidx != NULL) {
+        m = 0;
+        gf_sp_iter_init(s, it);
+        while ((len = gf_sp_next(s, it, &p, &j0)) > 0) {
+#if GF_SP_HAVE_AVX2
+            if (gf_use_avx2)
+                m += gf_sp_scan_avx2(p, len, j0, s->mask, prefix, cidx + m, craw + m);
+            else
+#endif
+                m += gf_sp_scan_scalar(p, len, j0, s->mask, prefix, cidx + m, craw + m);
+        }
+        /* m == ncand */
+        for (lv = 0; lv < 2; lv++) {
+            memset(hist, 0, sizeof(hist));
+            gf_sp_hist_level(craw, ncand, s->mask, shifts[lv], widths[lv], prefix, hist);
+            prefix = (prefix << widths[lv]) | gf_sp_find_bin(hist, (int64_t) 1 << widths[lv], &cum, k);
+        }
+        need = k - cum;
+        gf_sp_emit(craw, cidx, ncand, 0, s->mask, prefix, &need, oidx, oraw);
+        free(cidx);
+        free(craw);
+    } else {
+        for (lv = 0; lv < 2; lv++) {
+            memset(hist, 0, sizeof(hist));
+            gf_sp_iter_init(s, it);
+            while ((len = gf_sp_next(s, it, &p, &j0)) > 0)
+                gf_sp_hist_level(p, len, s->mask, shifts[lv], widths[lv], prefix, hist);
+            prefix = (prefix << widths[lv]) | gf_sp_find_bin(hist, (int64_t) 1 << widths[lv], &cum, k);
+        }
+        need = k - cum;
+        m = 0;
+        gf_sp_iter_init(s, it);
+        while ((len = gf_sp_next(s, it, &p, &j0)) > 0 && m < k)
+            m += gf_sp_emit(p, NULL, len, j0, s->mask, prefix, &need, oidx + m, oraw ? oraw + m : NULL);
+    }
+    free(it);
+    return 0;
+}
+
+/* Level-1 histogram of a whole stream (plus the non-finite count when count_bad). */
+static int64_t gf_sp_hist1_stream(const gf_sp_stream* s, uint32_t* h4, int count_bad, gf_sp_iter* it)
+{
+    int64_t len, j0, bad = 0;
+    const uint32_t* p;
+    gf_sp_iter_init(s, it);
+    while ((len = gf_sp_next(s, it, &p, &j0)) > 0) {
+        gf_sp_hist1_run(p, len, s->mask, h4);
+        if (count_bad)
+            bad += gf_sp_count_nonfinite(p, len);
+    }
+    gf_sp_hist1_fold(h4);
+    return bad;
+}
+
+/* k == n: everything, in order */
+static void gf_sp_take_all(const gf_sp_stream* s, gf_sp_iter* it, uint32_t* oidx, uint32_t* oraw)
+{
+    int64_t len, j0, i;
+    const uint32_t* p;
+    gf_sp_iter_init(s, it);
+    while ((len = gf_sp_next(s, it, &p, &j0)) > 0)
+        for (i = 0; i < len; i++) {
+            oidx[j0 + i] = (uint32_t) (j0 + i);
+            if (oraw)
+                oraw[j0 + i] = p[i];
+        }
+}
+
+/* ------------------------------------------------------------------------------ */
+/* top-k                                                                            */
+
+/* c = g + e into c, level-1 histogram of bits(c) & 0x7fffffff; returns the non-finite count */
+static int64_t gf_sp_c_run_scalar(const float* g, const float* e, float* c, int64_t cnt, uint32_t* h4)
+{
+    int64_t i, i0, len, bad = 0;
+    for (i0 = 0; i0 < cnt; i0 += GF_SP_BLK) {      /* blocks: c is re-read from L1 */
+        len = cnt - i0 < GF_SP_BLK ? cnt - i0 : GF_SP_BLK;
+        for (i = i0; i < i0 + len; i++)
+            c[i] = g[i] + e[i];
+        gf_sp_hist1_run((const uint32_t*) c + i0, len, 0x7fffffffu, h4);
+        bad += gf_sp_count_nonfinite((const uint32_t*) c + i0, len);
+    }
+    return bad;
+}
+
+#if GF_SP_HAVE_AVX2
+__attribute__((target("avx2")))
+static int64_t gf_sp_c_run_avx2(const float* g, const float* e, float* c, int64_t cnt, uint32_t* h4)
+{
+    int64_t i = 0, bad = 0;
+    const __m256i vabs = _mm256_set1_epi32(0x7fffffff);
+    const __m256i vfin = _mm256_set1_epi32(0x7f7fffff);
+    __m256i vbad = _mm256_setzero_si256();
+    uint32_t tmp[8];
+    int t;
+    for (; i + 8 <= cnt; i += 8) {
+        __m256 v = _mm256_add_ps(_mm256_loadu_ps(g + i), _mm256_loadu_ps(e + i));
+        _mm256_storeu_ps(c + i, v);
+        __m256i kv = _mm256_and_si256(_mm256_castps_si256(v), vabs);
+        vbad = _mm256_sub_epi32(vbad, _mm256_cmpgt_epi32(kv, vfin));
+        _mm256_storeu_si256((__m256i*) tmp, _mm256_srli_epi32(kv, 21));
+        h4[tmp[0]]++;
+        h4[GF_SP_B1 + tmp[1]]++;
+        h4[2 * GF_SP_B1 + tmp[2]]++;
+        h4[3 * GF_SP_B1 + tmp[3]]++;
+        h4[tmp[4]]++;
+        h4[GF_SP_B1 + tmp[5]]++;
+        h4[2 * GF_SP_B1 + tmp[6]]++;
+        h4[3 * GF_SP_B1 + tmp[7]]++;
+    }
+    _mm256_storeu_si256((__m256i*) tmp, vbad);
+    for (t = 0; t < 8; t++)
+        bad += tmp[t];
+    return bad + gf_sp_c_run_scalar(g + i, e + i, c + i, cnt - i, h4);
+}
+#endif
+
+/*
+ * Top-k over a table. e_in/e_out: both NULL or both n long (may be equal). values,
+ * indices: k long. Returns the number of non-finite c, or -1 when out of memory.
+ */
+static int64_t gf_sp_topk(const int64_t* src, const int64_t* offsets, const int64_t* counts,
+                          int64_t lo, int64_t hi, int64_t n,
+                          const float* e_in, float* e_out, int64_t k,
+                          float* values, uint32_t* indices)
+{
+    uint32_t* h4;
+    gf_sp_iter* it;
+    gf_sp_stream s;
+    int64_t t, m, nonfinite = 0;
+    int rc = 0;
+
+    h4 = (uint32_t*) calloc(4 * GF_SP_B1, sizeof(uint32_t));
+    it = (gf_sp_iter*) malloc(sizeof(gf_sp_iter));
+    if (h4 == NULL || it == NULL) {
+        free(h4);
+        free(it);
+        return -1;
+    }
+    memset(&s, 0, sizeof(s));
+    s.mask = 0x7fffffffu;
+    s.n = n;
+    if (e_out) {
+        /* pass 1: c = g + e into e_out, fused with the level-1 histogram */
+        for (t = lo; t < hi; t++) {
+            const float* g = (const float*) (uintptr_t) src[t];
+            int64_t off = offsets[t], cnt = counts[t];
+            if (cnt <= 0)
+                continue;
+#if GF_SP_HAVE_AVX2
+            if (gf_use_avx2)
+                nonfinite += gf_sp_c_run_avx2(g, e_in + off, e_out + off, cnt, h4);
+            else
+#endif
+                nonfinite += gf_sp_c_run_scalar(g, e_in + off, e_out + off, cnt, h4);
+        }
+        gf_sp_hist1_fold(h4);
+        s.kind = GF_SP_ARRAY;
+        s.arr = (const uint32_t*) e_out;
+    } else {
+        s.kind = GF_SP_TABLE;
+        s.src = src;
+        s.offsets = offsets;
+        s.counts = counts;
+        s.lo = lo;
+        s.hi = hi;
+        nonfinite = gf_sp_hist1_stream(&s, h4, 1, it);
+    }
+    if (k >= n)
+        gf_sp_take_all(&s, it, indices, (uint32_t*) values);
+    else if (k > 0)
+        rc = gf_sp_select(&s, k, h4, indices, (uint32_t*) values);
+    if (rc == 0 && e_out)
+        for (m = 0; m < k; m++)
+            e_out[indices[m]] = 0.0f;
+    free(h4);
+    free(it);
+    return rc < 0 ? -1 : nonfinite;
+}
+
+/* ------------------------------------------------------------------------------ */
+/* random-k                                                                         */
 
 /* out[0..k-1] <- the random-k indices (ascending). Returns 0 or -1 (out of memory). */
 static int gf_sp_randomk_indices(uint64_t seed, int64_t n, int64_t k, uint32_t* out)
 {
-    uint32_t *hist, *keys;
-    int rc;
+    uint32_t* h4;
+    gf_sp_iter* it;
+    gf_sp_stream s;
     int64_t j;
+    int rc;
     if (k <= 0)
         return 0;
     if (k >= n) {
@@ -349,22 +541,22 @@ static int gf_sp_randomk_indices(uint64_t seed, int64_t n, int64_t k, uint32_t* 
             out[j] = (uint32_t) j;
         return 0;
     }
-    hist = (uint32_t*) calloc(GF_SP_BINS, sizeof(uint32_t));
-    keys = (uint32_t*) malloc((size_t) n * sizeof(uint32_t));
-    if (hist == NULL || keys == NULL) {
-        free(hist);
-        free(keys);
+    h4 = (uint32_t*) calloc(4 * GF_SP_B1, sizeof(uint32_t));
+    it = (gf_sp_iter*) malloc(sizeof(gf_sp_iter));
+    if (h4 == NULL || it == NULL) {
+        free(h4);
+        free(it);
         return -1;
     }
-#if GF_SP_HAVE_AVX2
-    if (gf_use_avx2)
-        gf_sp_rk_keys_avx2(seed, 0, n, keys, hist);
-    else
-#endif
-        gf_sp_rk_keys_scalar(seed, 0, n, keys, hist);
-    rc = gf_sp_select(keys, 0xffffffffu, n, k, hist, out);
-    free(hist);
-    free(keys);
+    memset(&s, 0, sizeof(s));
+    s.kind = GF_SP_HASH;
+    s.mask = 0xffffffffu;
+    s.n = n;
+    s.seed = seed;
+    gf_sp_hist1_stream(&s, h4, 0, it);
+    rc = gf_sp_select(&s, k, h4, out, NULL);
+    free(h4);
+    free(it);
     return rc;
 }
 
