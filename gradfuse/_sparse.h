@@ -281,35 +281,61 @@ static uint32_t gf_sp_find_bin(const uint32_t* hist, int64_t nb, int64_t* cum, i
     return 0;
 }
 
-/* hist of digit (key >> shift) & (nb - 1) over keys whose key >> (shift + bits) == prefix */
-static void gf_sp_hist_level(const uint32_t* raw, int64_t len, uint32_t mask, int shift, int bits,
-                             uint32_t prefix, uint32_t* hist)
+#define GF_SP_HS (GF_SP_B1 + 16)    /* stride of the 4 level-2/3 histograms; bin B1: dump */
+
+/* 4-way histogram h4 (stride GF_SP_HS) of the digit (key >> shift) & (2^bits - 1) over
+   the keys with key >> (shift + bits) == prefix; the others go to the dump bin GF_SP_B1.
+   Branch-free: the filter is unpredictable when many keys share the top digits. */
+static inline uint32_t gf_sp_digit_or_dump(uint32_t key, int top, int shift, uint32_t dmask, uint32_t prefix)
 {
-    int64_t i;
-    uint32_t dmask = ((uint32_t) 1 << bits) - 1;
-    for (i = 0; i < len; i++) {
-        uint32_t key = raw[i] & mask;
-        if ((key >> (shift + bits)) == prefix)
-            hist[(key >> shift) & dmask]++;
-    }
+    uint32_t sel = (uint32_t) 0 - (uint32_t) ((key >> top) == prefix);     /* all ones if in */
+    return (((key >> shift) & dmask) & sel) | ((uint32_t) GF_SP_B1 & ~sel);
 }
 
-/* out <- (idx, raw) of keys > T and the first *need keys == T, in order; returns the count */
-static int64_t gf_sp_emit(const uint32_t* raw, const uint32_t* idx, int64_t len, int64_t j0,
-                          uint32_t mask, uint32_t T, int64_t* need, uint32_t* oidx, uint32_t* oraw)
+static void gf_sp_hist_level(const uint32_t* raw, int64_t len, uint32_t mask, int shift, int bits,
+                             uint32_t prefix, uint32_t* h4)
 {
-    int64_t i, m = 0;
-    for (i = 0; i < len; i++) {
-        uint32_t key = raw[i] & mask;
-        if (key > T || (key == T && *need > 0)) {
-            if (key == T)
-                (*need)--;
-            oidx[m] = idx ? idx[i] : (uint32_t) (j0 + i);
-            if (oraw)
-                oraw[m] = raw[i];
-            m++;
-        }
+    int64_t i = 0;
+    const uint32_t dmask = ((uint32_t) 1 << bits) - 1;
+    const int top = shift + bits;
+    /* select by mask arithmetic, not ?: (which compilers turn into a branch) */
+#define GF_SP_DIGIT(w) gf_sp_digit_or_dump((w) & mask, top, shift, dmask, prefix)
+    for (; i + 4 <= len; i += 4) {
+        h4[GF_SP_DIGIT(raw[i])]++;
+        h4[GF_SP_HS + GF_SP_DIGIT(raw[i + 1])]++;
+        h4[2 * GF_SP_HS + GF_SP_DIGIT(raw[i + 2])]++;
+        h4[3 * GF_SP_HS + GF_SP_DIGIT(raw[i + 3])]++;
     }
+    for (; i < len; i++)
+        h4[GF_SP_DIGIT(raw[i])]++;
+#undef GF_SP_DIGIT
+}
+
+static void gf_sp_hist_fold(uint32_t* h4, int64_t nb)
+{
+    int64_t b;
+    for (b = 0; b < nb; b++)
+        h4[b] += h4[GF_SP_HS + b] + h4[2 * GF_SP_HS + b] + h4[3 * GF_SP_HS + b];
+}
+
+/* out <- (idx, raw) of keys > T and the first *need keys == T, in order, at most cap
+   of them; returns the count. Branch-free (slot m is written before it is kept). */
+static int64_t gf_sp_emit(const uint32_t* raw, const uint32_t* idx, int64_t len, int64_t j0,
+                          uint32_t mask, uint32_t T, int64_t* need, int64_t cap,
+                          uint32_t* oidx, uint32_t* oraw)
+{
+    int64_t i, m = 0, nd = *need;
+    for (i = 0; i < len && m < cap; i++) {
+        uint32_t w = raw[i], key = w & mask;
+        int64_t eq = key == T;
+        int64_t take = (key > T) | (eq & (nd > 0));
+        oidx[m] = idx ? idx[i] : (uint32_t) (j0 + i);
+        if (oraw)
+            oraw[m] = w;
+        m += take;
+        nd -= eq & take;
+    }
+    *need = nd;
     return m;
 }
 
@@ -323,15 +349,19 @@ static int gf_sp_select(const gf_sp_stream* s, int64_t k, const uint32_t* hist1,
 {
     static const int shifts[2] = {10, 0}, widths[2] = {11, 10};
     int64_t cum = 0, ncand, m, need, len, j0;
-    uint32_t prefix, hist[GF_SP_B1];
-    uint32_t *cidx = NULL, *craw = NULL;
+    uint32_t prefix;
+    uint32_t *cidx = NULL, *craw = NULL, *h4;
     const uint32_t* p;
     gf_sp_iter* it;
     int lv;
 
     it = (gf_sp_iter*) malloc(sizeof(gf_sp_iter));
-    if (it == NULL)
+    h4 = (uint32_t*) malloc(4 * GF_SP_HS * sizeof(uint32_t));
+    if (it == NULL || h4 == NULL) {
+        free(it);
+        free(h4);
         return -1;
+    }
     prefix = gf_sp_find_bin(hist1, GF_SP_B1, &cum, k);
     ncand = cum + (int64_t) hist1[prefix];
     if (!gf_sp_no_candidates && ncand <= s->n / 4 + 1024) {
@@ -344,6 +374,7 @@ static int gf_sp_select(const gf_sp_stream* s, int64_t k, const uint32_t* hist1,
         }
     }
     if (cidx != NULL) {
+        /* few candidates: collect them, then levels 2, 3 and the output on them only */
         m = 0;
         gf_sp_iter_init(s, it);
         while ((len = gf_sp_next(s, it, &p, &j0)) > 0) {
@@ -356,29 +387,34 @@ static int gf_sp_select(const gf_sp_stream* s, int64_t k, const uint32_t* hist1,
         }
         /* m == ncand */
         for (lv = 0; lv < 2; lv++) {
-            memset(hist, 0, sizeof(hist));
-            gf_sp_hist_level(craw, ncand, s->mask, shifts[lv], widths[lv], prefix, hist);
-            prefix = (prefix << widths[lv]) | gf_sp_find_bin(hist, (int64_t) 1 << widths[lv], &cum, k);
+            memset(h4, 0, 4 * GF_SP_HS * sizeof(uint32_t));
+            gf_sp_hist_level(craw, ncand, s->mask, shifts[lv], widths[lv], prefix, h4);
+            gf_sp_hist_fold(h4, (int64_t) 1 << widths[lv]);
+            prefix = (prefix << widths[lv]) | gf_sp_find_bin(h4, (int64_t) 1 << widths[lv], &cum, k);
         }
         need = k - cum;
-        gf_sp_emit(craw, cidx, ncand, 0, s->mask, prefix, &need, oidx, oraw);
+        gf_sp_emit(craw, cidx, ncand, 0, s->mask, prefix, &need, k, oidx, oraw);
         free(cidx);
         free(craw);
     } else {
+        /* many candidates: levels 2, 3 and the output are passes over the source */
         for (lv = 0; lv < 2; lv++) {
-            memset(hist, 0, sizeof(hist));
+            memset(h4, 0, 4 * GF_SP_HS * sizeof(uint32_t));
             gf_sp_iter_init(s, it);
             while ((len = gf_sp_next(s, it, &p, &j0)) > 0)
-                gf_sp_hist_level(p, len, s->mask, shifts[lv], widths[lv], prefix, hist);
-            prefix = (prefix << widths[lv]) | gf_sp_find_bin(hist, (int64_t) 1 << widths[lv], &cum, k);
+                gf_sp_hist_level(p, len, s->mask, shifts[lv], widths[lv], prefix, h4);
+            gf_sp_hist_fold(h4, (int64_t) 1 << widths[lv]);
+            prefix = (prefix << widths[lv]) | gf_sp_find_bin(h4, (int64_t) 1 << widths[lv], &cum, k);
         }
         need = k - cum;
         m = 0;
         gf_sp_iter_init(s, it);
-        while ((len = gf_sp_next(s, it, &p, &j0)) > 0 && m < k)
-            m += gf_sp_emit(p, NULL, len, j0, s->mask, prefix, &need, oidx + m, oraw ? oraw + m : NULL);
+        while (m < k && (len = gf_sp_next(s, it, &p, &j0)) > 0)
+            m += gf_sp_emit(p, NULL, len, j0, s->mask, prefix, &need, k - m,
+                            oidx + m, oraw ? oraw + m : NULL);
     }
     free(it);
+    free(h4);
     return 0;
 }
 
