@@ -38,8 +38,9 @@
 #define GF_SP_HAVE_AVX2 0
 #endif
 
-/* tests only: 1 forces the scratch-free path of gf_sp_select (levels over the source) */
-static int gf_sp_no_candidates = 0;
+/* tests only: 1 forces the scratch-free path of gf_sp_select (levels over the source),
+   2 turns off the speculative candidate scan of random-k's first pass; 0: automatic */
+static int gf_sp_test_mode = 0;
 
 #define GF_SP_B1 2048                   /* level-1 bins: key >> 21 */
 #define GF_SP_BLK 2048                  /* staging block of the hash/table streams */
@@ -345,7 +346,8 @@ static int64_t gf_sp_emit(const uint32_t* raw, const uint32_t* idx, int64_t len,
  * histogram. 0 < k < n. Returns 0, or -1 when out of memory.
  */
 static int gf_sp_select(const gf_sp_stream* s, int64_t k, const uint32_t* hist1,
-                        uint32_t* oidx, uint32_t* oraw)
+                        uint32_t* oidx, uint32_t* oraw,
+                        const uint32_t* sidx, const uint32_t* sraw, int64_t nspec, uint32_t sB)
 {
     static const int shifts[2] = {10, 0}, widths[2] = {11, 10};
     int64_t cum = 0, ncand, m, need, len, j0;
@@ -364,7 +366,7 @@ static int gf_sp_select(const gf_sp_stream* s, int64_t k, const uint32_t* hist1,
     }
     prefix = gf_sp_find_bin(hist1, GF_SP_B1, &cum, k);
     ncand = cum + (int64_t) hist1[prefix];
-    if (!gf_sp_no_candidates && ncand <= s->n / 4 + 1024) {
+    if (gf_sp_test_mode != 1 && ncand <= s->n / 4 + 1024) {
         cidx = (uint32_t*) malloc((size_t) (ncand + 1) * sizeof(uint32_t));
         craw = (uint32_t*) malloc((size_t) (ncand + 1) * sizeof(uint32_t));
         if (cidx == NULL || craw == NULL) {
@@ -376,14 +378,24 @@ static int gf_sp_select(const gf_sp_stream* s, int64_t k, const uint32_t* hist1,
     if (cidx != NULL) {
         /* few candidates: collect them, then levels 2, 3 and the output on them only */
         m = 0;
-        gf_sp_iter_init(s, it);
-        while ((len = gf_sp_next(s, it, &p, &j0)) > 0) {
+        if (sidx != NULL && prefix >= sB) {
+            /* the speculative scan of pass 1 (top digit >= sB) holds every candidate */
+            int64_t i;
+            for (i = 0; i < nspec; i++) {
+                cidx[m] = sidx[i];
+                craw[m] = sraw[i];
+                m += ((sraw[i] & s->mask) >> 21) >= prefix;
+            }
+        } else {
+            gf_sp_iter_init(s, it);
+            while ((len = gf_sp_next(s, it, &p, &j0)) > 0) {
 #if GF_SP_HAVE_AVX2
-            if (gf_use_avx2)
-                m += gf_sp_scan_avx2(p, len, j0, s->mask, prefix, cidx + m, craw + m);
-            else
+                if (gf_use_avx2)
+                    m += gf_sp_scan_avx2(p, len, j0, s->mask, prefix, cidx + m, craw + m);
+                else
 #endif
-                m += gf_sp_scan_scalar(p, len, j0, s->mask, prefix, cidx + m, craw + m);
+                    m += gf_sp_scan_scalar(p, len, j0, s->mask, prefix, cidx + m, craw + m);
+            }
         }
         /* m == ncand */
         for (lv = 0; lv < 2; lv++) {
@@ -550,7 +562,7 @@ static int64_t gf_sp_topk(const int64_t* src, const int64_t* offsets, const int6
     if (k >= n)
         gf_sp_take_all(&s, it, indices, (uint32_t*) values);
     else if (k > 0)
-        rc = gf_sp_select(&s, k, h4, indices, (uint32_t*) values);
+        rc = gf_sp_select(&s, k, h4, indices, (uint32_t*) values, NULL, NULL, 0, 0);
     if (rc == 0 && e_out)
         for (m = 0; m < k; m++)
             e_out[indices[m]] = 0.0f;
@@ -568,8 +580,10 @@ static int gf_sp_randomk_indices(uint64_t seed, int64_t n, int64_t k, uint32_t* 
     uint32_t* h4;
     gf_sp_iter* it;
     gf_sp_stream s;
-    int64_t j;
-    int rc;
+    int64_t j, nbins, cap = 0, m = 0, len, j0;
+    uint32_t *sidx = NULL, *sraw = NULL, sB = 0;
+    const uint32_t* p;
+    int rc, overflow = 0;
     if (k <= 0)
         return 0;
     if (k >= n) {
@@ -589,8 +603,53 @@ static int gf_sp_randomk_indices(uint64_t seed, int64_t n, int64_t k, uint32_t* 
     s.mask = 0xffffffffu;
     s.n = n;
     s.seed = seed;
-    gf_sp_hist1_stream(&s, h4, 0, it);
-    rc = gf_sp_select(&s, k, h4, out, NULL);
+    /* The keys are hashes, so about (2048 - b) / 2048 * n of them have a top digit >= b:
+       pass 1 also collects, speculatively, the elements with a top digit >= sB, a bin
+       or more below where the k-th largest key should fall. If the true bin B1 is >= sB
+       (and the buffer did not fill up), the selection needs no second hash pass;
+       otherwise gf_sp_select scans the stream as usual. Same result either way. */
+    nbins = ((k + k / 8 + 256) * GF_SP_B1 + n - 1) / n + 1;
+    if (nbins < GF_SP_B1 && gf_sp_test_mode == 0) {
+        sB = (uint32_t) (GF_SP_B1 - nbins);
+        cap = nbins * n / GF_SP_B1;
+        cap += cap / 8 + 2 * GF_SP_BLK + 4096;
+        if (cap <= n / 4 + 1024) {
+            sidx = (uint32_t*) malloc((size_t) cap * sizeof(uint32_t));
+            sraw = (uint32_t*) malloc((size_t) cap * sizeof(uint32_t));
+            if (sidx == NULL || sraw == NULL) {
+                free(sidx);
+                free(sraw);
+                sidx = sraw = NULL;
+            }
+        }
+    }
+    if (sidx != NULL) {
+        gf_sp_iter_init(&s, it);
+        while ((len = gf_sp_next(&s, it, &p, &j0)) > 0) {
+            gf_sp_hist1_run(p, len, s.mask, h4);
+            if (overflow)
+                continue;
+            if (m + len + 1 > cap) {
+                overflow = 1;
+                continue;
+            }
+#if GF_SP_HAVE_AVX2
+            if (gf_use_avx2)
+                m += gf_sp_scan_avx2(p, len, j0, s.mask, sB, sidx + m, sraw + m);
+            else
+#endif
+                m += gf_sp_scan_scalar(p, len, j0, s.mask, sB, sidx + m, sraw + m);
+        }
+        gf_sp_hist1_fold(h4);
+    } else {
+        gf_sp_hist1_stream(&s, h4, 0, it);
+    }
+    if (overflow || sidx == NULL)
+        rc = gf_sp_select(&s, k, h4, out, NULL, NULL, NULL, 0, 0);
+    else
+        rc = gf_sp_select(&s, k, h4, out, NULL, sidx, sraw, m, sB);
+    free(sidx);
+    free(sraw);
     free(h4);
     free(it);
     return rc;

@@ -3,7 +3,7 @@
 from libc.stdint cimport uint32_t, uint64_t
 
 cdef extern from "_sparse.h" nogil:
-    int gf_sp_no_candidates
+    int gf_sp_test_mode
     int64_t gf_sp_topk(const int64_t* src, const int64_t* offsets, const int64_t* counts,
                        int64_t lo, int64_t hi, int64_t n,
                        const float* e_in, float* e_out, int64_t k,
@@ -242,8 +242,11 @@ def sparse_decompress_sum_array(const float[:, ::1] values, const uint32_t[:, ::
         gf_sp_decompress_array(vp, ip, p, k, &out[0], n, divisor)
 
 
-def _sparse_select_mode(bint no_candidates):
-    """Tests only: True forces the selection's scratch-free path (every level a pass
-    over the source) that large ties (e.g. an all-zero bucket) take; False: automatic."""
-    global gf_sp_no_candidates
-    gf_sp_no_candidates = 1 if no_candidates else 0
+def _sparse_select_mode(int mode):
+    """Tests only: 0 automatic; 1 forces the selection's scratch-free path (every level
+    a pass over the source) that large ties (e.g. an all-zero bucket) take; 2 turns off
+    the speculative candidate scan in random-k's first pass."""
+    global gf_sp_test_mode
+    if mode not in (0, 1, 2):
+        raise ValueError(f"_sparse_select_mode: mode {mode} not in 0, 1, 2")
+    gf_sp_test_mode = mode

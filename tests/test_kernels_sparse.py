@@ -21,18 +21,19 @@ def dpath(request):
     core.set_simd(force_scalar=False)
 
 
-@pytest.fixture(params=[(True, False), (False, False), (False, True)],
-                ids=["scalar", "simd", "simd-nocand"])
+@pytest.fixture(params=[(True, 0), (False, 0), (False, 1), (True, 2)],
+                ids=["scalar", "simd", "simd-nocand", "scalar-nospec"])
 def path(request):
-    """Code path: scalar or AVX2; and (nocand) the selection without candidate buffers."""
-    scalar, nocand = request.param
+    """Code path: scalar or AVX2; and the selection's strategy: automatic (0), without
+    candidate buffers (1), without random-k's speculative first-pass scan (2)."""
+    scalar, mode = request.param
     if not scalar and not core.simd_info()["cpu_avx2_f16c"]:
         pytest.skip("no AVX2 on this CPU")
     core.set_simd(force_scalar=scalar)
-    core._sparse_select_mode(nocand)
+    core._sparse_select_mode(mode)
     yield request.param
     core.set_simd(force_scalar=False)
-    core._sparse_select_mode(False)
+    core._sparse_select_mode(0)
 
 
 def bits(a):
