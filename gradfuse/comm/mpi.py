@@ -33,7 +33,7 @@ def _f16_sum_op():
         MPI = mpi()
 
         def _sum(inbuf, inoutbuf, datatype):
-            _core.sum_f16(inbuf, inoutbuf)
+            _core.sum16(1, inbuf, inoutbuf)
 
         _F16_SUM = MPI.Op.Create(_sum, commute=True)
     return _F16_SUM
