@@ -152,7 +152,7 @@ class AllreduceJob(BucketJob):
         self.buf = buf
 
     def finish(self):
-        self.comp.decompress_sum_table([self.buf], self.dst, self.divisor_after, self.ctx)
+        self.write_sum([self.buf.reshape(1, -1)], self.divisor_after)
         self.commit()
 
 
@@ -193,12 +193,14 @@ class TwoPhaseJob(BucketJob):
         # worker payload, cut into chunks
         for r in range(p):
             e0, e1 = self.chunk(r)
+            Wire.header(send[r])[0] = bad
+            if e1 == e0:
+                continue        # an empty chunk (fewer blocks than ranks): only the header travels
             w_bits, w_scales = wire.views(send[r])
             w0, w1 = e0 // 32, -(-e1 // 32)
             s0, s1 = e0 // B, -(-e1 // B)
             w_bits[:w1 - w0] = bits[w0:w1]
             w_scales[:s1 - s0] = scales[s0:s1]
-            Wire.header(send[r])[0] = bad
         self.comm.alltoall(send, recv)
         # server side: my chunk from every rank
         me = self.comm.rank
@@ -228,6 +230,8 @@ class TwoPhaseJob(BucketJob):
         wire, srecv, bits, scales = self.wire, self.srecv, self.bits, self.scales
         for r in range(p):
             e0, e1 = self.chunk(r)
+            if e1 == e0:
+                continue
             sb, ss = wire.views(srecv[r])
             w0, w1 = e0 // 32, -(-e1 // 32)
             s0, s1 = e0 // B, -(-e1 // B)
