@@ -65,11 +65,11 @@ class Stats:
 class _Entry:
     """A cached plan and everything derived from the same signature."""
 
-    __slots__ = ("plan", "request", "names", "shapes", "codes", "counts", "verified")
+    __slots__ = ("plan", "request", "names", "shapes", "codes", "verified")
 
-    def __init__(self, plan, request, names, shapes, codes, counts):
+    def __init__(self, plan, request, names, shapes, codes):
         self.plan, self.request, self.names = plan, request, names
-        self.shapes, self.codes, self.counts = shapes, codes, counts
+        self.shapes, self.codes = shapes, codes
         self.verified = None     # output pointer table last checked for overlaps
 
 
@@ -355,15 +355,13 @@ class Pipeline:
         shapes = [s for _, s in parsed]
         sizes = nbytes.tolist()
         plan = FusionPlan(codes, sizes, self.fusion_threshold, self.direct_threshold)
-        counts = np.array([sizes[i] // _dt.DTYPE[codes[i]].itemsize for i in range(len(codes))],
-                          dtype=np.int64)
         request = Request("allreduce", names, shapes, [_dt.name(c) for c in codes], self._options())
         if self.average:
             for name, c in zip(names, codes):
                 if c not in _dt.FLOAT_CODES:
                     raise TypeError(f"tensor {name!r}: average=True needs a float dtype, got "
                                     f"{_dt.name(c)} (use average=False to sum integers)")
-        entry = _Entry(plan, request, names, shapes, codes, counts)
+        entry = _Entry(plan, request, names, shapes, codes)
         self._plans[key] = entry
         self.stats.plans_built += 1
         if len(self._plans) > _PLAN_CACHE:
@@ -431,7 +429,7 @@ class Pipeline:
                     else:
                         comm.allreduce(in_objs[i], out_objs[i])
                     if divide:
-                        _core.div_inplace(int(dst[b.lo]), int(entry.counts[i]), b.code, size)
+                        _core.div_inplace(int(dst[b.lo]), int(plan.counts[b.lo]), b.code, size)
                 else:
                     _core.pack(b.buffer, src, plan.offsets, plan.nbytes, b.lo, b.hi)
                     comm.allreduce_inplace(b.view())

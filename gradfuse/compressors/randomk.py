@@ -32,6 +32,10 @@ class RandomK(Compressor):
             raise ValueError(f"option 'seed' must be an int in [0, 2**64), got {s!r}")
         self.options["seed"] = int(s)
 
+    def __init__(self, **options):
+        super().__init__(**options)
+        self._drawn = {}      # (bucket, step) -> indices drawn by compress, reused by decompress
+
     def _seed(self, ctx):
         return step_seed(self.options["seed"], ctx.step, ctx.bucket)
 
@@ -55,13 +59,19 @@ class RandomK(Compressor):
     def compress_table(self, table, e_in, e_out, payloads, ctx):
         src, off, cnt, lo, hi = table
         idx = np.empty(payloads[0].size, np.uint32)
-        return _core.randomk_compress(src, off, cnt, lo, hi, e_in, e_out, self._seed(ctx), idx.size,
-                                      payloads[0], idx)
+        bad = _core.randomk_compress(src, off, cnt, lo, hi, e_in, e_out, self._seed(ctx), idx.size,
+                                     payloads[0], idx)
+        if any(key[1] != ctx.step for key in self._drawn):
+            self._drawn = {k: v for k, v in self._drawn.items() if k[1] == ctx.step}
+        self._drawn[(ctx.bucket, ctx.step)] = idx
+        return bad
 
     def decompress_sum_table(self, rows, table, divisor, ctx):
         dst, off, cnt, lo, hi = table
         n = int(off[hi - 1] + cnt[hi - 1]) if hi > lo else 0
-        idx = self.indices(n, ctx)
+        idx = self._drawn.pop((ctx.bucket, ctx.step), None)
+        if idx is None:                    # not compressed here (e.g. a reference path): draw again
+            idx = self.indices(n, ctx)
         rows_idx = np.ascontiguousarray(np.broadcast_to(idx, (rows[0].shape[0], idx.size)))
         _core.sparse_decompress_sum(np.ascontiguousarray(rows[0]), rows_idx, dst, off, cnt, lo, hi, divisor)
         return True
