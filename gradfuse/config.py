@@ -49,6 +49,17 @@ def env_seconds(var, default, maximum=7 * 24 * 3600.0):
     return value
 
 
+def env_bool(var, default):
+    """``0`` or ``1`` from ``var`` (surrounding whitespace allowed), or ``default`` when unset."""
+    raw = _raw(var)
+    if raw is None:
+        return default
+    text = raw.strip()
+    if text not in ("0", "1"):
+        raise ValueError(f"{var}={raw!r}: expected 0 or 1")
+    return text == "1"
+
+
 def fusion_threshold(value=None):
     """The fusion threshold in bytes: the argument, else GRADFUSE_FUSION_THRESHOLD, else the default."""
     if value is None:
@@ -68,3 +79,9 @@ def stall_warning_s():
 
 def stall_timeout_s():
     return env_seconds("GRADFUSE_STALL_TIMEOUT_S", DEFAULT_STALL_TIMEOUT_S)
+
+
+def exit_timeout_s():
+    """How long a rank that exits waits for the others before aborting the job
+    (GRADFUSE_EXIT_TIMEOUT_S, default GRADFUSE_STALL_TIMEOUT_S; 0 = no limit)."""
+    return env_seconds("GRADFUSE_EXIT_TIMEOUT_S", stall_timeout_s())
