@@ -150,6 +150,9 @@ class _Hooks:
             sys.stderr.flush()
         except Exception:
             pass
+        # MPI_Abort kills the job at once; mpiexec can drop output that it has not
+        # forwarded yet, so give it a moment to pass the message on
+        time.sleep(0.3)
         self.MPI.COMM_WORLD.Abort(code)
         os._exit(code)                         # not reached: MPI_Abort does not return
 
