@@ -48,7 +48,8 @@ def init(comm=None, install_hooks=None):
             None (default) reads ``GRADFUSE_HOOKS`` (unset or 1: yes, 0: no).
     """
     global _default
-    from . import watchdog
+    from . import config, watchdog
+    config.validate()
     hooks = watchdog.hooks_enabled(install_hooks)
     with _lock:
         if _default is not None and comm is None:

@@ -124,6 +124,7 @@ class _Hooks:
         # the watchdog polls MPI from its own thread: only safe with THREAD_MULTIPLE
         self.poll_mpi = MPI.Query_thread() == MPI.THREAD_MULTIPLE
         self._member_cache = {}
+        self.timeout = config.stall_timeout_s()      # read once (init() validated it)
         self._stop = threading.Event()
         if not faulthandler.is_enabled():
             # a fatal signal (SIGABRT, SIGSEGV, ...) prints the Python stack before mpiexec
@@ -204,7 +205,7 @@ class _Hooks:
         if self.poll_mpi:
             self._poll_goodbyes()
         now = time.monotonic()
-        timeout = config.stall_timeout_s()
+        timeout = self.timeout
         for ctx in self._contexts():
             job = ctx.engine.inflight
             if job is None:
