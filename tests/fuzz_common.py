@@ -161,7 +161,7 @@ def build_case(case, rank, world_size=1):
             if fault == "dtype":
                 tensors[0] = dict(tensors[0], kind="baddtype", dtype="int16")
             elif fault == "shape":
-                tensors[0] = dict(tensors[0], shape=tuple(tensors[0]["shape"]) + (2,))
+                tensors[0] = dict(tensors[0], kind="ok", shape=tuple(tensors[0]["shape"]) + (2,))
             elif fault == "name":
                 names[0] = "renamed"
             elif fault == "count":
@@ -182,7 +182,7 @@ def build_case(case, rank, world_size=1):
                  "none": None, "nested": [arrays]}[struct]
     call_names = None
     if struct in ("list", "tuple"):
-        mode = case["names"]
+        mode = "unique" if fault == "name" else case["names"]
         if mode == "unique":
             call_names = list(names)
         elif mode == "ints":
