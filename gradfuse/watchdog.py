@@ -174,7 +174,11 @@ class _Hooks:
     def _contexts(self):
         from . import runtime
         seen, out = set(), []
-        for ctx in [runtime._default] + [e[1] for e in list(runtime._contexts.values())]:
+        try:
+            entries = list(runtime._contexts.values())
+        except RuntimeError:                   # the dict changed while copied: next round
+            entries = []
+        for ctx in [runtime._default] + [e[1] for e in entries]:
             if ctx is not None and id(ctx) not in seen:
                 seen.add(id(ctx))
                 out.append(ctx)

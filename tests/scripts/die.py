@@ -28,7 +28,12 @@ MODE = sys.argv[1]
 PLAIN = "--plain" in sys.argv[2:]
 STEPS, DEATH_STEP = 12, 3
 
-if not PLAIN:
+if PLAIN:
+    # SIGUSR1 prints every thread's Python stack: shows where a hung plain run waits
+    import faulthandler
+    import signal
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+else:
     import gradfuse
     gradfuse.init()
     pipe = gradfuse.Pipeline(average=False)
