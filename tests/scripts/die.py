@@ -44,7 +44,8 @@ victim = size - 1
 
 
 def die():
-    print(f"die.py: rank {rank} dies now ({MODE})", flush=True)
+    # CLOCK_MONOTONIC is system-wide on Linux: the test measures from this instant
+    print(f"die.py: rank {rank} dies now ({MODE}) at monotonic {time.monotonic():.3f}", flush=True)
     if MODE in ("exit0", "exit0_plainwait"):
         sys.exit(0)
     if MODE == "exit1":
