@@ -116,6 +116,15 @@ def test_exit_while_others_wait_outside_gradfuse():
     assert not left, left
 
 
+def test_exit_before_the_others_enter_the_collective():
+    """The goodbye arrives while the others compute: they abort as soon as they enter."""
+    code, out, elapsed, left = launch("exit0_slow", 2)
+    assert code != 0
+    assert elapsed <= STALL_TIMEOUT_S + 10, out
+    assert "rank 1 exited (code 0) while this rank was in collective 'allreduce'" in out, out
+    assert not left, left
+
+
 def test_os_exit_ends_the_job():
     """os._exit skips every hook; mpiexec sees a rank leave without MPI_Finalize."""
     code, out, elapsed, left = launch("os_exit", 2)

@@ -8,6 +8,8 @@ MODE: exit0 | exit1 | abort | sigkill | exception   (the five death modes)
                    negotiated (only the watchdog can help)
       exit0_plainwait  sys.exit(0) while the others wait in a plain MPI barrier, not in
                    gradfuse (only the leaving rank's exit timeout can help)
+      exit0_slow   sys.exit(0) while the others compute 1.5 s before entering the allreduce
+                   (the goodbye arrives before they enter)
       clean        nobody dies: every rank finishes and the job must exit 0
       clean_late   nobody dies, but rank 0 works 3 s longer after training (a checkpoint):
                    the job must still exit 0
@@ -46,7 +48,7 @@ victim = size - 1
 def die():
     # CLOCK_MONOTONIC is system-wide on Linux: the test measures from this instant
     print(f"die.py: rank {rank} dies now ({MODE}) at monotonic {time.monotonic():.3f}", flush=True)
-    if MODE in ("exit0", "exit0_plainwait"):
+    if MODE in ("exit0", "exit0_plainwait", "exit0_slow"):
         sys.exit(0)
     if MODE == "exit1":
         sys.exit(1)
@@ -73,6 +75,8 @@ for step in range(STEPS):
     if step == DEATH_STEP and rank == victim and not MODE.startswith("clean"):
         die()
     x = np.full(1000, rank + 1.0, np.float32)
+    if MODE == "exit0_slow" and step == DEATH_STEP:
+        time.sleep(1.5)                     # compute: the victim is gone before we enter
     if PLAIN:
         world.Allreduce(MPI.IN_PLACE, x)
     elif MODE == "exit0_plainwait" and step >= DEATH_STEP:
