@@ -8,7 +8,10 @@ import os
 from setuptools import Extension, setup
 from Cython.Build import cythonize
 
-debug = os.environ.get("GRADFUSE_DEBUG_BUILD", "").strip() not in ("", "0")
+_raw = os.environ.get("GRADFUSE_DEBUG_BUILD")
+if _raw is not None and _raw.strip() not in ("0", "1"):
+    raise SystemExit(f"GRADFUSE_DEBUG_BUILD={_raw!r}: expected 0 or 1 (or unset)")
+debug = _raw is not None and _raw.strip() == "1"
 
 directives = {
     "language_level": 3,
