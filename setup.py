@@ -35,5 +35,20 @@ ext = Extension(
     extra_compile_args=cflags,
 )
 
+# The generated C depends on the directives: regenerate it whenever the build kind
+# changes (a normal build after a debug build must not keep the bounds checks).
+_stamp = os.path.join("gradfuse", ".build_kind")
+_kind = "debug" if debug else "release"
+try:
+    with open(_stamp) as f:
+        _changed = f.read().strip() != _kind
+except OSError:
+    _changed = True
 setup(ext_modules=cythonize([ext], compiler_directives=directives,
-                            force=debug, annotate=False))
+                            force=debug or _changed, annotate=False))
+try:
+    with open(_stamp, "w") as f:
+        f.write(_kind)
+except OSError:
+    pass
+
