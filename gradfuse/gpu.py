@@ -39,13 +39,29 @@ except ImportError:                        # a source checkout built in place
 _CUDA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cuda")
 
 
+def _checkout_file(name):
+    """``cuda/<name>`` of the source checkout this package was imported from, if any."""
+    root = os.path.dirname(_CUDA_DIR)
+    path = os.path.join(_CUDA_DIR, name)
+    if os.path.exists(os.path.join(root, "pyproject.toml")) and os.path.exists(path):
+        return path
+    return None
+
+
 def source(name):
-    """Text of kernel file ``name`` (``"onebit.cu"``): ``gradfuse.cuda.source`` when the
-    package is installed, else the repository's ``cuda/`` next to the package (a checkout
-    built with ``setup.py build_ext --inplace``, as scripts/gpu_check.sh does)."""
-    if _cuda is not None:
+    """Text of kernel file ``name`` (``"onebit.cu"``).
+
+    In a source checkout (``setup.py build_ext --inplace``, as scripts/gpu_check.sh
+    builds) the checkout's own ``cuda/``: an editable install of another checkout must
+    not supply the kernels. Otherwise ``gradfuse.cuda.source`` (the package data).
+    """
+    path = _checkout_file(name)
+    if path is None and _cuda is not None:
         return _cuda.source(name)
-    with open(os.path.join(_CUDA_DIR, name)) as f:
+    if path is None:
+        raise FileNotFoundError(f"kernel source {name!r} not found (no gradfuse.cuda package data, "
+                                f"no checkout at {_CUDA_DIR})")
+    with open(path) as f:
         return f.read()
 
 # --fmad=false: no contraction of a*b+c into an FMA (the CPU build uses

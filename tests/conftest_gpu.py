@@ -22,9 +22,21 @@ def skip_or_fail(reason):
     pytest.skip(reason)
 
 
+def emulated():
+    """GRADFUSE_GPU_EMULATOR=1: run the kernels on the CPU SIMT emulator (tests/cuda_emu)."""
+    return os.environ.get("GRADFUSE_GPU_EMULATOR", "").strip() == "1"
+
+
 def require_gpu():
     """Return ``(cupy, gradfuse.gpu)``, or skip / fail the calling test."""
     from gradfuse import gpu
+    if emulated():
+        import sys
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu"))
+        import fakecupy
+        sys.modules["cupy"] = fakecupy
+        gpu._cp = fakecupy
+        return fakecupy, gpu
     try:
         import cupy
     except Exception as e:          # ImportError, or a broken CUDA install
