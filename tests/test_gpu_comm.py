@@ -20,10 +20,13 @@ def env():
     if emulated():
         pytest.skip("the SIMT emulator (GRADFUSE_GPU_EMULATOR=1) has no NCCL, streams or pinned memory")
     cp, gpu = require_gpu()
-    try:
-        from mpi4py import MPI
-    except Exception as e:        # not a GPU problem: skip even with GRADFUSE_TEST_GPU=1
-        pytest.skip(f"mpi4py / an MPI library is not usable here: {e}")
+    # Probe MPI in a child first: a broken MPI install can abort the whole process at
+    # MPI_Init. Not a GPU problem, so a skip even with GRADFUSE_TEST_GPU=1.
+    code, out, timed_out = run_limited([sys.executable, "-c", "from mpi4py import MPI; MPI.COMM_WORLD.Get_rank()"],
+                                       timeout=60)
+    if code != 0 or timed_out:
+        pytest.skip(f"mpi4py / an MPI library is not usable here: {out.strip()[-300:]}")
+    from mpi4py import MPI
     return cp, MPI
 
 
