@@ -76,6 +76,8 @@ FAMILIES = {
                "gf_onebit_decompress_sum_array", "gf_onebit_decompress_sum_table"),
     "twobit": ("gf_twobit_compress_array", "gf_twobit_compress_table",
                "gf_twobit_decompress_sum_array", "gf_twobit_decompress_sum_table"),
+    "sparse": ("gf_sparse_check", "gf_sparse_add_array", "gf_sparse_add_table", "gf_sparse_add_serial",
+               "gf_sparse_rows", "gf_sparse_div_array"),
 }
 
 THREADS = 256          # every kernel assumes a multiple of 32 (full warps)
@@ -559,3 +561,80 @@ def twobit_decompress_sum_array(codes, threshold, out, divisor):
     if out.size:
         _launch("gf_twobit_decompress_sum_array", _grid_flat(out.size),
                 args + (out, _I64(out.size), mode, f))
+
+
+# ------------------------------------------------------------------ sparse (top-k / random-k)
+
+_SP_MAX_N = 0xFFFFFFFF
+
+
+def _sparse_payloads(who, values, indices, n):
+    """Validate p sparse payload rows like _sparse.pxi; returns (p, k, serial)."""
+    cp = cupy()
+    _arr(values, _F32, "values", who, ndim=2)
+    _arr(indices, np.uint32, "indices", who, ndim=2)
+    if values.shape != indices.shape:
+        raise ValueError(f"{who}: values shape {values.shape} != indices shape {indices.shape}")
+    for a, nm in ((values, "values"), (indices, "indices")):
+        if a.size and not a.flags.c_contiguous:
+            raise ValueError(f"{who}: {nm} must be C-contiguous")
+    if n > _SP_MAX_N:
+        raise ValueError(f"{who}: bucket of {n} elements, more than {_SP_MAX_N}")
+    p, k = indices.shape
+    if p * k == 0:
+        return p, k, False
+    info = cp.zeros(2, np.uint64)
+    info[0] = np.uint64(0xFFFFFFFFFFFFFFFF)
+    _launch("gf_sparse_check", _grid_flat(p * k), (indices, _I64(p), _I64(k), _I64(n), info))
+    first_bad, nonasc = (int(v) for v in info.get())
+    if first_bad != 0xFFFFFFFFFFFFFFFF:
+        r, m = divmod(first_bad, k)
+        bad = int(indices[r, m].get()) if hasattr(indices[r, m], "get") else int(indices[r, m])
+        raise ValueError(f"{who}: index {bad} at indices[{r}, {m}] is out of range "
+                         f"for a bucket of {n} elements")
+    return p, k, nonasc > 0
+
+
+def sparse_decompress_sum_array(values, indices, out, divisor):
+    """Sum p sparse payloads (row r = rank r) into ``out``, then divide, as
+    ``_core.sparse_decompress_sum_array``: 0.0f plus the values in rank order, then
+    / (float)divisor unless divisor == 1.0. Every index is checked before anything is
+    written. Rows that are not strictly ascending are added serially (in m order)."""
+    who = "sparse_decompress_sum_array"
+    _arr(out, _F32, "out", who)
+    n = out.size
+    p, k, serial = _sparse_payloads(who, values, indices, n)
+    if n == 0:
+        return
+    out.fill(0)
+    if k:
+        for r in range(p):
+            if serial:
+                _launch("gf_sparse_add_serial", (1,), (values[r], indices[r], _I64(k), out,
+                                                      np.uint64(0), np.uint64(0), _I64(0), _I64(0)))
+            else:
+                _launch("gf_sparse_add_array", _grid_flat(k), (values[r], indices[r], _I64(k), out))
+    if float(divisor) != 1.0:
+        _launch("gf_sparse_div_array", _grid_flat(n), (out, _I64(n), _F32(divisor)))
+
+
+def sparse_decompress_sum(values, indices, ptrs, offsets, counts, lo, hi, divisor):
+    """``sparse_decompress_sum_array`` into table rows lo..hi-1 (dense offsets), as
+    ``_core.sparse_decompress_sum``: every destination element is written."""
+    who = "sparse_decompress_sum"
+    (tp, to, tc), n, mx = _table(who, ptrs, offsets, counts, lo, hi, dense=True)
+    p, k, serial = _sparse_payloads(who, values, indices, n)
+    if n == 0:
+        return
+    lo_, hi_ = _I64(lo), _I64(hi)
+    grid = _grid_rows(hi - lo, mx)
+    _launch("gf_sparse_rows", grid, (tp, tc, lo_, hi_, np.int32(1), _F32(1.0)))
+    if k:
+        for r in range(p):
+            if serial:
+                _launch("gf_sparse_add_serial", (1,), (values[r], indices[r], _I64(k), np.uint64(0),
+                                                      tp, to, lo_, hi_))
+            else:
+                _launch("gf_sparse_add_table", _grid_flat(k), (values[r], indices[r], _I64(k), tp, to, lo_, hi_))
+    if float(divisor) != 1.0:
+        _launch("gf_sparse_rows", grid, (tp, tc, lo_, hi_, np.int32(0), _F32(divisor)))

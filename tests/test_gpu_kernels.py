@@ -618,3 +618,67 @@ def test_divisor_mode_matches_cpu_rule():
     assert gpu.divisor_mode(2.0 ** -149)[0] == 1         # 1/f overflows to inf
     assert gpu.divisor_mode(2.0 ** -127)[0] == 2
     assert gpu.divisor_mode(-0.5) == (2, F32(-2.0))
+
+
+# ------------------------------------------------------------------ sparse decompress
+
+def sparse_payloads(n, p, k, seed, same_rows=False, kind="normal"):
+    rng = np.random.default_rng(seed)
+    idx = np.zeros((p, k), U32)
+    for r in range(p):
+        if r == 0 or not same_rows:
+            row = np.sort(rng.choice(n, k, replace=False)).astype(U32) if k else np.zeros(0, U32)
+        idx[r] = row
+    vals = gen(p * k, seed + 1, kind).reshape(p, k)
+    return np.ascontiguousarray(vals), idx
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 0), (7, 3), (100, 100), (4097, 40), (300001, 3000)])
+@pytest.mark.parametrize("p", [1, 2, 5])
+@pytest.mark.parametrize("divisor", [1.0, 2.0, 3.0, -4.0, 7.1])
+@pytest.mark.parametrize("same_rows", [False, True])
+def test_sparse_decompress_sum(g, n, k, p, divisor, same_rows):
+    cp, gpu = g
+    vals, idx = sparse_payloads(n, p, k, n + p + k, same_rows)
+    want = np.full(n, 9.0, F32)
+    core.sparse_decompress_sum_array(vals, idx, want, divisor)
+    got = cp.full(n, 9.0, F32)
+    gpu.sparse_decompress_sum_array(cp.asarray(vals), cp.asarray(idx), got, divisor)
+    same(got.get(), want)
+    sizes = split_sizes(n, n + 5 * p)
+    outs_c = [np.full(s, 3.0, F32) for s in sizes]
+    pc, oc, cc = host_table(outs_c)
+    core.sparse_decompress_sum(vals, idx, pc, oc, cc, 0, len(sizes), divisor)
+    outs_g = [cp.full(s, 3.0, F32) for s in sizes]
+    pg, og, cg = dev_table(outs_g)
+    gpu.sparse_decompress_sum(cp.asarray(vals), cp.asarray(idx), pg, og, cg, 0, len(sizes), divisor)
+    for a, b in zip(outs_g, outs_c):
+        same(a.get(), b)
+
+
+@pytest.mark.parametrize("kind", ["special", "nonfinite", "negzero"])
+def test_sparse_decompress_special_and_unsorted(g, kind):
+    cp, gpu = g
+    n, p, k = 1000, 3, 200
+    vals, idx = sparse_payloads(n, p, k, 77, kind=kind)
+    idx[1] = idx[1][::-1]                     # not ascending: the serial path
+    idx[2, 5] = idx[2, 6]                     # a duplicate: added twice, in m order
+    want = np.empty(n, F32)
+    core.sparse_decompress_sum_array(vals, idx, want, 3.0)
+    got = cp.empty(n, F32)
+    gpu.sparse_decompress_sum_array(cp.asarray(vals), cp.asarray(idx), got, 3.0)
+    same(got.get(), want)
+
+
+def test_sparse_decompress_bad_index(g):
+    cp, gpu = g
+    vals, idx = sparse_payloads(50, 3, 10, 5)
+    idx[1, 7] = 50
+    idx[2, 0] = 99
+    with pytest.raises(ValueError) as cpu_err:
+        core.sparse_decompress_sum_array(vals, idx, np.zeros(50, F32), 1.0)
+    out = cp.full(50, 4.0, F32)
+    with pytest.raises(ValueError) as gpu_err:
+        gpu.sparse_decompress_sum_array(cp.asarray(vals), cp.asarray(idx), out, 1.0)
+    assert "index 50 at indices[1, 7]" in str(cpu_err.value) and "index 50 at indices[1, 7]" in str(gpu_err.value)
+    assert np.all(out.get() == 4.0)           # nothing written

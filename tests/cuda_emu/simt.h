@@ -8,7 +8,6 @@
 //  - float arithmetic of the _rn intrinsics is one IEEE operation each (built with
 //    -ffp-contract=off), like the GPU with --fmad=false; subnormals are kept.
 // Warps run one after the other (the kernels use no shared memory or __syncthreads).
-#pragma once
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -38,6 +37,12 @@ inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
 {
     return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v)
+{
+    unsigned long long old = *p;
+    if (v < old) *p = v;        // warps run one at a time: no concurrent writer
+    return old;
 }
 
 // Lanes are fibers (ucontext) of one OS thread: a lane runs until it reaches a warp
