@@ -97,6 +97,42 @@ def tile(a, reps):
     return _wrap(np.tile(np.asarray(a), reps))
 
 
+def copyto(dst, src):
+    np.copyto(dst, src)
+
+
+def concatenate(arrs):
+    return _wrap(np.concatenate([np.asarray(a) for a in arrs]))
+
+
+def repeat(a, r):
+    return _wrap(np.repeat(np.asarray(a), r))
+
+
+def where(c, a, b):
+    return _wrap(np.where(np.asarray(c), np.asarray(a), np.asarray(b)))
+
+
+def abs(a):  # noqa: A001
+    return _wrap(np.abs(np.asarray(a)))
+
+
+def packbits(a, bitorder="big"):
+    return _wrap(np.packbits(np.asarray(a), bitorder=bitorder))
+
+
+class _Gen:
+    def __init__(self, seed):
+        self.g = np.random.default_rng(seed)
+
+    def standard_normal(self, n, dtype=np.float64):
+        return _wrap(self.g.standard_normal(n, dtype=dtype))
+
+
+class random:  # noqa: N801
+    default_rng = _Gen
+
+
 def array_equal(a, b):
     return bool(np.array_equal(np.asarray(a), np.asarray(b)))
 
@@ -106,6 +142,14 @@ def array_equal(a, b):
 class _Runtime:
     @staticmethod
     def getDevice():
+        return 0
+
+    @staticmethod
+    def getDeviceProperties(i):
+        return {"name": b"SIMT emulator (CPU)"}
+
+    @staticmethod
+    def runtimeGetVersion():
         return 0
 
     @staticmethod
@@ -129,9 +173,23 @@ class _Stream:
         pass
 
 
+class _Event:
+    def record(self, stream=None):
+        import time
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
 class _Cuda:
     runtime = _Runtime()
     Device = _Device
+    Event = _Event
+
+    @staticmethod
+    def get_elapsed_time(a, b):
+        return (b.t - a.t) * 1e3
 
     @staticmethod
     def get_current_stream():
