@@ -216,15 +216,15 @@ def _build(code):
     with open(os.path.join(HERE, "simt_launch.h")) as f:
         tail = f.read()
     tu = head + "\n#line 1 \"kernel.cu\"\n" + code + "\n" + reg + tail
-    key = hashlib.sha256(tu.encode()).hexdigest()[:16]
+    flags = ["-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wno-unknown-pragmas"]
+    key = hashlib.sha256((tu + " ".join(flags)).encode()).hexdigest()[:16]
     os.makedirs(_BUILD, exist_ok=True)
     so = os.path.join(_BUILD, f"k_{key}.so")
     if not os.path.exists(so):
         src = os.path.join(_BUILD, f"k_{key}.cpp")
         with open(src, "w") as f:
             f.write(tu)
-        cmd = ["g++", "-std=c++20", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared",
-               "-Wno-unknown-pragmas", "-o", so + ".tmp", src]
+        cmd = ["g++"] + flags + ["-o", so + ".tmp", src]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode:
             raise RuntimeError(f"simt emulator: g++ failed:\n{p.stderr[-4000:]}")
