@@ -811,6 +811,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     call; names are the parameter indices, as Horovod's.
     """
 
+    _OWN = ("_optimizer", "_gradient_predivide_factor", "_num_groups", "_process_set", "_reducer")
+
     def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0,
                  process_set=global_process_set):
         self.__dict__["_optimizer"] = optimizer
@@ -824,6 +826,14 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             raise AttributeError(item)
         return getattr(self.__dict__["_optimizer"], item)
 
+    def __setattr__(self, name, value):
+        # Gluon's Trainer sets rescale_grad (every step) and param_dict on the optimizer
+        # it holds: they belong to the wrapped optimizer, which does the update.
+        if name in self._OWN:
+            self.__dict__[name] = value
+        else:
+            setattr(self._optimizer, name, value)
+
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_reducer"] = None          # a communicator does not pickle
@@ -831,16 +841,6 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-
-    # Gluon's Trainer sets rescale_grad on the optimizer it holds (this wrapper) every
-    # step: forward it, so step(batch_size) normalises the wrapped optimizer's update.
-    @property
-    def rescale_grad(self):
-        return self._optimizer.rescale_grad
-
-    @rescale_grad.setter
-    def rescale_grad(self, value):
-        self._optimizer.rescale_grad = value
 
     def create_state(self, index, weight):
         return self._optimizer.create_state(index, weight)
