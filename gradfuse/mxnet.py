@@ -294,6 +294,13 @@ class ProcessSet:
         self.process_set_id = None
         self._comm = None
 
+    def __reduce__(self):
+        # the global set pickles by reference; others without their communicator
+        # (a pickled copy is unregistered: add it again where it is loaded)
+        if self is global_process_set:
+            return "global_process_set"
+        return (ProcessSet, (self.ranks if self.ranks is not None else [],))
+
     def size(self):
         """Number of ranks in the set, or None if it is not registered."""
         if self.process_set_id is None:
