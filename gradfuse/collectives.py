@@ -109,6 +109,17 @@ def _submit(ctx, op, build, job_of):
     return ctx.engine.submit(run, op)
 
 
+def refuse_async(op, error, comm=None):
+    """Take part in the next collective only to report ``error`` (a local TypeError or
+    ValueError): this rank raises it, the other ranks raise ``RemoteInputError``."""
+    ctx = _context(comm)
+    bad = Request(op, error=error)
+
+    def refuse():
+        ctx.coordinator.negotiate(bad)
+    return ctx.engine.submit(refuse, op)
+
+
 def _scale(a, factor):
     if factor != 1.0:
         if a.dtype.kind == "f":

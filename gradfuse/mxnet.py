@@ -29,6 +29,7 @@ Example:
     >>> trainer = hvd.DistributedTrainer(net.collect_params(), "sgd",
     ...                                  {"learning_rate": 0.1}, compress="1bit")
 """
+import ctypes
 import json
 import os
 import pickle
@@ -40,7 +41,7 @@ from collections import OrderedDict
 
 import mxnet as mx
 import numpy as np
-from mxnet.base import MXNetError
+from mxnet.base import _LIB, MXNetError, check_call
 
 from . import collectives as _coll
 from . import intake as _intake
@@ -412,8 +413,18 @@ def _view(tensor, name):
             raise TypeError(f"tensor {name!r} is on {tensor.context}; this binding takes CPU arrays only")
         if tensor.dtype == np.bool_:
             raise TypeError(f"tensor {name!r}: dtype bool is not supported")
-        return _intake.as_array(tensor, name)
-    except (TypeError, ValueError) as exc:
+        # MXNDArrayGetData turns oneDNN-layout data (conv weights and their gradients
+        # after a hybridized forward) back into the default row-major layout, in place;
+        # the DLPack export refuses oneDNN data.
+        ptr = ctypes.c_void_p()
+        check_call(_LIB.MXNDArrayGetData(tensor.handle, ctypes.byref(ptr)))
+        view = _intake.as_array(tensor, name)
+        if view.size and view.ctypes.data != ptr.value:
+            raise ValueError(f"tensor {name!r}: MXNet moved the array while it was being read")
+        return view
+    except (TypeError, ValueError, MXNetError) as exc:
+        if isinstance(exc, MXNetError):
+            exc = TypeError(f"tensor {name!r}: MXNet cannot export it: {str(exc).strip().splitlines()[-1]}")
         return _coll.InvalidInput(exc)
 
 
@@ -788,9 +799,13 @@ class _Reducer:
         with _Span("allreduce", names[0]):
             for idx in groups:
                 if idx:
-                    part = [sent[i] for i in idx]
-                    # out=part: the pipeline writes the results straight into the
-                    # NDArrays' memory (zero copy, through to_dlpack_for_write)
+                    # zero-copy views of the NDArrays: the pipeline reads the gradients
+                    # and writes the results straight into their memory (out=part)
+                    part = [_view(sent[i], names[i]) for i in idx]
+                    bad = [p for p in part if isinstance(p, _coll.InvalidInput)]
+                    if bad:     # every rank raises: the others learn it in the negotiation
+                        handles.append(_coll.refuse_async("allreduce", bad[0].error, self.comm))
+                        continue
                     handles.append(self.pipeline.allreduce_async(
                         part, out=part, names=[names[i] for i in idx]))
             for h in handles:

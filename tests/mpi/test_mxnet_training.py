@@ -168,9 +168,9 @@ def test_trainer_on_a_process_set(world):
         start = mlp(0)
         copy_params(net, start)
         tr = hvd.DistributedTrainer(net.collect_params(), "sgd", dict(OPT), process_set=ps)
+        ref = mlp(0)        # on every rank: Gluon's parameter names count the nets made
         if world.rank in (0, 1):
             train(net, tr, 2, [world.rank], B)
-            ref = mlp(0)
             copy_params(start, ref)
             rtr = gluon.Trainer(ref.collect_params(), "sgd", dict(OPT), kvstore=None)
             train(ref, rtr, 2, [0, 1], 2 * B)
@@ -180,3 +180,48 @@ def test_trainer_on_a_process_set(world):
             assert tr.pipeline is None
     finally:
         hvd.remove_process_set(ps)
+
+
+def test_hybridized_conv_net_with_onednn_layouts(world):
+    """Conv weights and gradients of a hybridized net live in oneDNN layouts: they must be
+    brought back to row-major before the zero-copy view, and MXNet must see the writes."""
+    def cnn(seed):
+        net = gluon.nn.HybridSequential()
+        net.add(gluon.nn.Conv2D(4, 3, padding=1, activation="relu"), gluon.nn.Flatten(),
+                gluon.nn.Dense(OUT))
+        mx.random.seed(seed)
+        net.initialize(mx.init.Xavier())
+        net.hybridize()
+        net(mx.nd.zeros((1, 1, 6, 6)))
+        return net
+
+    def data(s, r):
+        rng = np.random.default_rng([s, r, 7])
+        return mx.nd.array(rng.standard_normal((B, 1, 6, 6))), mx.nd.array(rng.integers(0, OUT, B))
+
+    net = cnn(world.rank)
+    hvd.broadcast_parameters(net.collect_params(), root_rank=0)
+    ref = cnn(0)
+    ref_start = params_of(ref)
+    for a, b in zip(params_of(net), ref_start):
+        np.testing.assert_array_equal(a, b)
+    tr = hvd.DistributedTrainer(net.collect_params(), "sgd", dict(OPT))
+    rtr = gluon.Trainer(ref.collect_params(), "sgd", dict(OPT), kvstore=None)
+    for s in range(3):
+        x, y = data(s, world.rank)
+        with autograd.record():
+            loss = LOSS(net(x), y)
+        loss.backward()
+        tr.step(B)
+        xs, ys = zip(*(data(s, r) for r in range(world.size)))
+        with autograd.record():
+            loss = LOSS(ref(mx.nd.concat(*xs, dim=0)), mx.nd.concat(*ys, dim=0))
+        loss.backward()
+        rtr.step(world.size * B)
+    assert_same_on_all_ranks(net)
+    for got, want in zip(params_of(net), params_of(ref)):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    # the forward pass (oneDNN) sees the same weights on every rank
+    out = net(data(9, 0)[0]).asnumpy()
+    for other in hvd.allgather_object(out):
+        np.testing.assert_array_equal(out, other)
