@@ -416,6 +416,10 @@ def _view(tensor, name):
         # MXNDArrayGetData turns oneDNN-layout data (conv weights and their gradients
         # after a hybridized forward) back into the default row-major layout, in place;
         # the DLPack export refuses oneDNN data.
+        # Wait first: GetData on an array whose first write is still queued races with
+        # the engine's lazy allocation of its memory (seen: the view and the copy landed
+        # in different buffers).
+        check_call(_LIB.MXNDArrayWaitToWrite(tensor.handle))
         ptr = ctypes.c_void_p()
         check_call(_LIB.MXNDArrayGetData(tensor.handle, ctypes.byref(ptr)))
         view = _intake.as_array(tensor, name)

@@ -317,3 +317,14 @@ def test_timeline(world, tmp_path_factory):
     os.unlink(path)
     assert [e["name"] for e in events] == ["tl.one", "tl.two"]
     assert all(e["ph"] == "X" and e["dur"] >= 0 for e in events)
+
+
+def test_fresh_arrays_with_queued_first_write(world):
+    """Regression: outputs created by a queued MXNet op (lazy allocation) must be viewed
+    only after that op ran; reading the pointer earlier raced with the allocation."""
+    ref = np.arange(15).reshape(3, 5)
+    for it in range(1500):
+        dt = ("float16", "float32", "int32")[it % 3]
+        x = mx.nd.array(ref + 100 * world.rank, dtype=dt)
+        out = hvd.broadcast(x, 0, name=f"fresh{it}")
+        np.testing.assert_array_equal(out.asnumpy(), ref)
