@@ -393,7 +393,7 @@ def broadcast_object(obj, root=0, name=None, comm=None):
     processes of one job.
     """
     ctx = _context(comm)
-    name = name or type(obj).__name__
+    name = name or "broadcast_object"     # not the type: it may differ off the root (None)
     payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if ctx.comm.rank == root else b""
     n = np.array([len(payload)], dtype=np.int64)
     broadcast([n], root, names=[name + ".sz"], comm=comm)
@@ -408,7 +408,7 @@ def allgather_object(obj, name=None, comm=None):
 
     Unpickling runs code chosen by the senders: trusted peers of one job only.
     """
-    name = name or type(obj).__name__
+    name = name or "allgather_object"
     payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()
     sizes, data = allgather([np.array([payload.size], dtype=np.int64), payload],
                             names=[name + ".sz", name + ".t"], comm=comm)
