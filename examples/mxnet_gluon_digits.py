@@ -113,7 +113,7 @@ def main(argv=None):
     pred = net(mx.nd.array(x[test])).argmax(axis=1).asnumpy()
     acc = float((pred == y[test]).mean())
     accs = hvd.allgather_object(acc)
-    stats = trainer.pipeline.stats
+    stats = trainer.stats
     if rank == 0:
         assert len(set(accs)) == 1, f"ranks disagree on the test accuracy: {accs}"
         print(f"final test accuracy: {acc:.4f}")

@@ -61,6 +61,8 @@ __all__ = [
     "alltoall", "reducescatter", "grouped_reducescatter", "broadcast_object",
     "allgather_object", "Compression", "DistributedOptimizer", "DistributedTrainer",
     "CollectiveMismatchError", "RemoteInputMXNetError", "split_list", "KVStore",
+    "AsyncHandle", "allreduce_async", "allreduce_async_", "grouped_allreduce_async_",
+    "synchronize", "poll",
 ]
 
 # Horovod's op codes (horovod.common.basics), so code that stores them keeps working.
@@ -478,22 +480,87 @@ def _group_names(name, n):
     return [str(name)] if n == 1 else [f"{name}.{i}" for i in range(n)]
 
 
-def _allreduce(tensors, inplace, average, name, prescale_factor, postscale_factor,
-               process_set, op, group):
+class AsyncHandle:
+    """A collective in flight: ``wait()`` (or ``synchronize(handle)``) returns its result
+    once every rank has taken part; ``done()`` (or ``poll(handle)``) never blocks.
+
+    The arrays were read when the call was made (after MXNet finished writing them);
+    do not read or write them, nor the outputs, before ``wait()``.
+    """
+
+    __slots__ = ("_handle", "_result")
+
+    def __init__(self, handle, result):
+        self._handle, self._result = handle, result
+
+    def done(self):
+        return self._handle.done()
+
+    def wait(self):
+        _wait(self._handle)
+        return self._result
+
+
+def _allreduce_async(tensors, inplace, average, name, prescale_factor, postscale_factor,
+                     process_set, op, group):
     op = _resolve_op(op, average)
     comm = _comm_of(process_set)
     names = _group_names(name, len(tensors)) if group else (None if name is None else [str(name)])
-    label = names[0] if names else "allreduce"
     if inplace:
         outs = list(tensors)
     else:
         outs = [t.copy() if isinstance(t, mx.nd.NDArray) else t for t in tensors]
-    with _Span("allreduce", label):
-        views = [_view(t, names[i] if names else f"tensor{i}") for i, t in enumerate(outs)]
-        _wait(_coll.allreduce_async(views, op=_OP_NAMES[op], names=names,
-                                    prescale_factor=prescale_factor,
-                                    postscale_factor=postscale_factor, comm=comm, inplace=True))
+    views = [_view(t, names[i] if names else f"tensor{i}") for i, t in enumerate(outs)]
+    h = _coll.allreduce_async(views, op=_OP_NAMES[op], names=names, prescale_factor=prescale_factor,
+                              postscale_factor=postscale_factor, comm=comm, inplace=True)
+    return h, outs
+
+
+def _allreduce(tensors, inplace, average, name, prescale_factor, postscale_factor,
+               process_set, op, group):
+    with _Span("allreduce", name if name is not None else "allreduce"):
+        h, outs = _allreduce_async(tensors, inplace, average, name, prescale_factor,
+                                   postscale_factor, process_set, op, group)
+        _wait(h)
     return outs
+
+
+def allreduce_async(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set, op=None):
+    """Start ``allreduce`` and return an ``AsyncHandle`` whose ``wait()`` gives the result.
+
+    gradfuse extension (Horovod's MXNet binding has no handles; its PyTorch one does).
+    Async calls are matched in the order they are made, like blocking ones.
+    """
+    h, outs = _allreduce_async([tensor], False, average, name, prescale_factor,
+                               postscale_factor, process_set, op, False)
+    return AsyncHandle(h, outs[0])
+
+
+def allreduce_async_(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=global_process_set, op=None):
+    """In-place ``allreduce_async``: ``wait()`` returns ``tensor`` holding the result."""
+    h, outs = _allreduce_async([tensor], True, average, name, prescale_factor,
+                               postscale_factor, process_set, op, False)
+    return AsyncHandle(h, outs[0])
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set, op=None):
+    """In-place ``grouped_allreduce`` started now; ``wait()`` returns ``tensors``."""
+    h, _ = _allreduce_async(list(tensors), True, average, name, prescale_factor,
+                            postscale_factor, process_set, op, True)
+    return AsyncHandle(h, tensors)
+
+
+def synchronize(handle):
+    """Wait for an ``AsyncHandle`` and return its result (Horovod PyTorch's name)."""
+    return handle.wait()
+
+
+def poll(handle):
+    """True when the collective of ``handle`` has finished (never blocks)."""
+    return handle.done()
 
 
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
@@ -778,16 +845,60 @@ def _scale_nd(tensors, factor):
 
 
 class _Reducer:
-    """Fused, in-place gradient allreduce of NDArrays for one process set."""
+    """Fused, in-place gradient averaging of NDArrays for one process set.
+
+    Without overlap the gradients go in one fused call (or ``num_groups`` calls). With
+    overlap they are cut into buckets of at most ``fusion_threshold`` bytes in reverse
+    parameter order (backward writes the last layers' gradients first); each bucket is
+    submitted as soon as MXNet has written its gradients, so the communication thread
+    reduces it while MXNet's engine still computes the earlier layers' gradients.
+    Each bucket position has its own ``Pipeline`` (plan cache, compressor state).
+    """
 
     def __init__(self, process_set, compress, compressor_options, fusion_threshold=None):
         self.process_set = process_set
         self.comm = _comm_of(process_set)
-        self.pipeline = Pipeline(compress=compress, average=True, comm=self.comm,
-                                 fusion_threshold=fusion_threshold, **compressor_options)
+        self._config = dict(compress=compress, average=True, comm=self.comm,
+                            fusion_threshold=fusion_threshold, **compressor_options)
+        self.pipelines = [Pipeline(**self._config)]
+
+    @property
+    def pipeline(self):
+        return self.pipelines[0]
+
+    def _pipe(self, g):
+        while len(self.pipelines) <= g:
+            self.pipelines.append(Pipeline(**self._config))
+        return self.pipelines[g]
+
+    def stats(self):
+        """The counters of all bucket pipelines, summed."""
+        from .pipeline import Stats
+        total = Stats()
+        for p in self.pipelines:
+            for f in Stats.FIELDS:
+                setattr(total, f, getattr(total, f) + getattr(p.stats, f))
+        return total
+
+    def _groups(self, sent, num_groups, overlap):
+        idx = list(range(len(sent)))
+        if overlap:
+            limit = self.pipeline.fusion_threshold
+            buckets, cur, nbytes = [], [], 0
+            for i in reversed(idx):
+                b = int(np.prod(sent[i].shape)) * np.dtype(sent[i].dtype).itemsize
+                if cur and nbytes + b > limit:
+                    buckets.append(cur)
+                    cur, nbytes = [], 0
+                cur.append(i)
+                nbytes += b
+            return buckets + ([cur] if cur else [])
+        if num_groups > 0:
+            return [g for g in split_list(idx, num_groups) if g]
+        return [idx]
 
     def reduce_(self, grads, names, num_groups=0, compression=NoneCompressor,
-                predivide=1.0):
+                predivide=1.0, overlap=False):
         """Average ``grads`` (NDArrays) across the process set, in place."""
         if not grads:
             return
@@ -797,21 +908,19 @@ class _Reducer:
         else:
             sent, ctxs = grads, None
         _scale_nd(sent, 1.0 / predivide)
-        groups = (split_list(list(range(len(sent))), num_groups) if num_groups > 0
-                  else [list(range(len(sent)))])
         handles = []
         with _Span("allreduce", names[0]):
-            for idx in groups:
-                if idx:
-                    # zero-copy views of the NDArrays: the pipeline reads the gradients
-                    # and writes the results straight into their memory (out=part)
-                    part = [_view(sent[i], names[i]) for i in idx]
-                    bad = [p for p in part if isinstance(p, _coll.InvalidInput)]
-                    if bad:     # every rank raises: the others learn it in the negotiation
-                        handles.append(_coll.refuse_async("allreduce", bad[0].error, self.comm))
-                        continue
-                    handles.append(self.pipeline.allreduce_async(
-                        part, out=part, names=[names[i] for i in idx]))
+            for g, idx in enumerate(self._groups(sent, num_groups, overlap)):
+                # zero-copy views of the NDArrays (each waits until MXNet has written
+                # that gradient): the pipeline reads them and writes the results
+                # straight into their memory (out=part)
+                part = [_view(sent[i], names[i]) for i in idx]
+                bad = [p for p in part if isinstance(p, _coll.InvalidInput)]
+                if bad:     # every rank raises: the others learn it in the negotiation
+                    handles.append(_coll.refuse_async("allreduce", bad[0].error, self.comm))
+                    continue
+                handles.append(self._pipe(g).allreduce_async(part, out=part,
+                                                             names=[names[i] for i in idx]))
             for h in handles:
                 _wait(h)
         _scale_nd(sent, predivide)
@@ -928,6 +1037,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         compress: a gradfuse compressor name or instance (``'1bit'``, ``'topk'``, ...,
             whatever ``gradfuse.compressors.available()`` lists), with its error feedback.
         fusion_threshold: gradfuse's bucket size in bytes (default: the pipeline's).
+        overlap: reduce bucket by bucket in reverse parameter order, each bucket as
+            soon as backward has written its gradients, while the rest are computed.
         **compressor_options: passed to the compressor (e.g. ``ratio=0.01``).
 
     ``save_states(f)`` writes the optimizer state to ``f`` exactly as ``gluon.Trainer``
@@ -938,7 +1049,8 @@ class DistributedTrainer(mx.gluon.Trainer):
     def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
                  gradient_predivide_factor=1.0, prefix=None, num_groups=0,
                  process_set=global_process_set, compress=None, fusion_threshold=None,
-                 **compressor_options):
+                 overlap=False, **compressor_options):
+        self._overlap = bool(overlap)
         self._compression = compression
         self._process_set = process_set
         if isinstance(optimizer, DistributedOptimizer):
@@ -962,8 +1074,13 @@ class DistributedTrainer(mx.gluon.Trainer):
 
     @property
     def pipeline(self):
-        """The ``gradfuse.Pipeline`` that reduces this trainer's gradients (``.stats``)."""
+        """The (first) ``gradfuse.Pipeline`` that reduces this trainer's gradients."""
         return self._reducer.pipeline if self._reducer is not None else None
+
+    @property
+    def stats(self):
+        """Counters of every pipeline of this trainer, summed (a ``gradfuse`` Stats)."""
+        return self._reducer.stats() if self._reducer is not None else None
 
     def _grads(self):
         grads, names = [], []
@@ -978,24 +1095,27 @@ class DistributedTrainer(mx.gluon.Trainer):
             return
         grads, names = self._grads()
         self._reducer.reduce_(grads, names, self._num_groups, self._compression,
-                              self._gradient_predivide_factor)
+                              self._gradient_predivide_factor, overlap=self._overlap)
 
     def save_states(self, fname):
         """Save the optimizer state (gluon's format) and this rank's compressor state."""
         super().save_states(fname)
-        pipe = self.pipeline
-        if pipe is not None and hasattr(pipe, "state_dict"):
+        pipes = self._reducer.pipelines if self._reducer is not None else []
+        if pipes and all(hasattr(p, "state_dict") for p in pipes):
             with open(_sidecar(fname), "wb") as f:
-                pickle.dump(pipe.state_dict(), f, protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.dump({"format": "gradfuse.mxnet/1", "rank": rank(),
+                             "pipelines": [p.state_dict() for p in pipes]},
+                            f, protocol=pickle.HIGHEST_PROTOCOL)
 
     def load_states(self, fname):
         """Load what ``save_states`` wrote (the compressor part only if it exists)."""
         super().load_states(fname)
-        pipe = self.pipeline
         side = _sidecar(fname)
-        if pipe is not None and hasattr(pipe, "load_state_dict") and os.path.exists(side):
+        if self._reducer is not None and os.path.exists(side):
             with open(side, "rb") as f:
-                pipe.load_state_dict(pickle.load(f))
+                saved = pickle.load(f)
+            for g, state in enumerate(saved["pipelines"]):
+                self._reducer._pipe(g).load_state_dict(state)
 
 
 # --- KVStore -----------------------------------------------------------------------

@@ -323,8 +323,25 @@ def test_fresh_arrays_with_queued_first_write(world):
     """Regression: outputs created by a queued MXNet op (lazy allocation) must be viewed
     only after that op ran; reading the pointer earlier raced with the allocation."""
     ref = np.arange(15).reshape(3, 5)
-    for it in range(1500):
+    for it in range(1000):
         dt = ("float16", "float32", "int32")[it % 3]
         x = mx.nd.array(ref + 100 * world.rank, dtype=dt)
         out = hvd.broadcast(x, 0, name=f"fresh{it}")
         np.testing.assert_array_equal(out.asnumpy(), ref)
+
+
+def test_async_handles(world):
+    xs = [mx.nd.ones((4,)) * (world.rank + i) for i in range(3)]
+    handles = [hvd.allreduce_async_(x, op=hvd.Sum, name=f"async{i}") for i, x in enumerate(xs)]
+    out_h = hvd.allreduce_async(xs[0] * 2, name="async.out")      # average, out of place
+    g = hvd.grouped_allreduce_async_([mx.nd.ones((2,)), mx.nd.ones((3,))], op=hvd.Sum, name="async.g")
+    for i, h in enumerate(handles):
+        assert hvd.synchronize(h) is xs[i] and hvd.poll(h)
+        np.testing.assert_array_equal(xs[i].asnumpy(), np.full(4, sum(r + i for r in range(world.size))))
+    avg = sum(2.0 * (r + 0) for r in range(world.size)) / world.size
+    np.testing.assert_allclose(out_h.wait().asnumpy(), np.full(4, avg))
+    a, b = g.wait()
+    np.testing.assert_array_equal(b.asnumpy(), np.full(3, world.size))
+    bad = hvd.allreduce_async(mx.nd.ones((2 + world.rank,)), name="async.bad")
+    with pytest.raises(MismatchError):
+        bad.wait()

@@ -81,7 +81,8 @@ OPT = {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-4}
 
 
 @pytest.mark.parametrize("kw", [{}, {"num_groups": 2}, {"gradient_predivide_factor": 4.0},
-                                {"fusion_threshold": 0}])
+                                {"fusion_threshold": 0}, {"overlap": True},
+                                {"overlap": True, "fusion_threshold": 300}])
 def test_trainer_equals_single_process_on_concatenated_batch(world, kw):
     net = mlp(world.rank)                        # different on purpose
     hvd.broadcast_parameters(net.collect_params(), root_rank=0)
@@ -92,7 +93,15 @@ def test_trainer_equals_single_process_on_concatenated_batch(world, kw):
     assert_same_on_all_ranks(net)
     for got, ref in zip(params_of(net), reference(world, start, 4, OPT)):
         np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-6)
-    assert tr.pipeline.stats.steps >= 4 and tr.pipeline.stats.bytes_reduced > 0
+    stats = tr.stats
+    n = len(params_of(net))
+    # pipeline calls per step: one fused call, num_groups calls, or (overlap with
+    # 300-byte buckets over tensors of 64, 512, 12 and 192 bytes) three buckets
+    per_step = 2 if kw.get("num_groups") else (3 if kw.get("fusion_threshold") == 300 else 1)
+    assert stats.steps == 4 * per_step, (kw, stats)
+    if kw.get("fusion_threshold") == 0:
+        assert stats.buckets == 4 * n            # fusion off: one bucket per tensor
+    assert stats.tensors == 4 * n and stats.bytes_reduced > 0
 
 
 def test_distributed_optimizer_in_gluon_trainer(world):
