@@ -225,46 +225,6 @@ def div_inplace(int64_t ptr, Py_ssize_t count, int code, double divisor):
         _div_run(code, <void*> <uintptr_t> ptr, <const void*> <uintptr_t> ptr, count, divisor)
 
 
-def sum_f16(inbuf, inoutbuf):
-    """inout[i] = half(float(in[i]) + float(inout[i])): the float16 MPI sum.
-
-    Each pairwise add is done in float32 and rounded once to float16. Called by the
-    MPI library once per chunk it reduces (a user-defined MPI op), never per element.
-    """
-    cdef const uint8_t[::1] a = memoryview(inbuf).cast("B")
-    cdef uint8_t[::1] b = memoryview(inoutbuf).cast("B")
-    cdef Py_ssize_t i, n = a.shape[0] // 2
-    if b.shape[0] < 2 * n:
-        raise ValueError("sum_f16: output shorter than input")
-    if n == 0:
-        return
-    cdef const uint16_t* x = <const uint16_t*> &a[0]
-    cdef uint16_t* y = <uint16_t*> &b[0]
-    with nogil:
-        for i in range(n):
-            y[i] = gf_float_to_half(gf_half_to_float(x[i]) + gf_half_to_float(y[i]))
-
-
-def half_to_float(const uint16_t[::1] src, float[::1] dst):
-    """Exact float16 -> float32 (reference-checked against numpy in the tests)."""
-    cdef Py_ssize_t i, n = src.shape[0]
-    if dst.shape[0] < n:
-        raise ValueError("half_to_float: output too short")
-    with nogil:
-        for i in range(n):
-            dst[i] = gf_half_to_float(src[i])
-
-
-def float_to_half(const float[::1] src, uint16_t[::1] dst):
-    """float32 -> float16, round to nearest even, numpy's bits for every input."""
-    cdef Py_ssize_t i, n = src.shape[0]
-    if dst.shape[0] < n:
-        raise ValueError("float_to_half: output too short")
-    with nogil:
-        for i in range(n):
-            dst[i] = gf_float_to_half(src[i])
-
-
 def set_simd(bint force_scalar):
     """Choose the kernels' code path: portable scalar (True) or the best the CPU has."""
     gf_simd_init(force_scalar)

@@ -55,6 +55,16 @@ cdef int _q_check_residual(str name, const float[::1] e_in, float[::1] e_out, in
     return 0
 
 
+cdef int _q_check_rows(str name, str what, Py_ssize_t row_stride, Py_ssize_t item_stride,
+                       Py_ssize_t itemsize, int64_t row_len) except -1:
+    """Payload rows may be strided (rows of a wire buffer) but each row must be contiguous."""
+    if row_len > 1 and item_stride != itemsize:
+        raise ValueError(f"{name}: {what} rows must be contiguous (element stride {item_stride})")
+    if row_stride % itemsize != 0 or row_stride < 0:
+        raise ValueError(f"{name}: {what} row stride {row_stride} is not a positive multiple of {itemsize}")
+    return 0
+
+
 cdef int _q_check_block(str name, int block) except -1:
     if block < 32 or block % 32 != 0:
         raise ValueError(f"{name}: block size must be a multiple of 32 and >= 32, got {block}")
@@ -133,7 +143,7 @@ def onebit_compress_array(const float[::1] x, const float[::1] e_in, float[::1] 
                                 block, bits, scales)
 
 
-cdef int _onebit_decompress_raw(str name, const uint32_t[:, ::1] bits, const float[:, ::1] scales,
+cdef int _onebit_decompress_raw(str name, const uint32_t[:, :] bits, const float[:, :] scales,
                                 int block, const int64_t* ptrs, const int64_t* counts,
                                 Py_ssize_t lo, Py_ssize_t hi, int64_t n, double divisor) except -1:
     cdef int64_t p = bits.shape[0], nwords = (n + 31) // 32, nblocks
@@ -153,15 +163,18 @@ cdef int _onebit_decompress_raw(str name, const uint32_t[:, ::1] bits, const flo
                          f"got {scales.shape[1]}")
     if n == 0:
         return 0
+    _q_check_rows(name, "bits", bits.strides[0], bits.strides[1], sizeof(uint32_t), nwords)
+    _q_check_rows(name, "scales", scales.strides[0], scales.strides[1], sizeof(float), nblocks)
     with nogil:
-        r = gf_onebit_decompress_sum(&bits[0, 0], nwords, &scales[0, 0], nblocks, p, block,
+        r = gf_onebit_decompress_sum(&bits[0, 0], bits.strides[0] // sizeof(uint32_t), &scales[0, 0],
+                                     scales.strides[0] // sizeof(float), p, block,
                                      ptrs, counts, lo, hi, n, divisor)
     if r < 0:
         raise MemoryError(f"{name}: cannot allocate the staging buffer")
     return 0
 
 
-def onebit_decompress_sum(const uint32_t[:, ::1] bits, const float[:, ::1] scales, int block,
+def onebit_decompress_sum(const uint32_t[:, :] bits, const float[:, :] scales, int block,
                           const int64_t[::1] dst_ptrs, const int64_t[::1] offsets,
                           const int64_t[::1] counts, Py_ssize_t lo, Py_ssize_t hi,
                           double divisor):
@@ -179,7 +192,7 @@ def onebit_decompress_sum(const uint32_t[:, ::1] bits, const float[:, ::1] scale
                            &counts[0], lo, hi, n, divisor)
 
 
-def onebit_decompress_sum_array(const uint32_t[:, ::1] bits, const float[:, ::1] scales,
+def onebit_decompress_sum_array(const uint32_t[:, :] bits, const float[:, :] scales,
                                 int block, float[::1] out, double divisor):
     """onebit_decompress_sum into one contiguous float32 array (n = len(out))."""
     cdef int64_t n = out.shape[0]
@@ -239,7 +252,7 @@ def twobit_compress_array(const float[::1] x, const float[::1] e_in, float[::1] 
                                 threshold, codes)
 
 
-cdef int _twobit_decompress_raw(str name, const uint8_t[:, ::1] codes, double threshold,
+cdef int _twobit_decompress_raw(str name, const uint8_t[:, :] codes, double threshold,
                                 const int64_t* ptrs, const int64_t* counts,
                                 Py_ssize_t lo, Py_ssize_t hi, int64_t n, double divisor) except -1:
     cdef int64_t p = codes.shape[0], nbytes = (n + 3) // 4
@@ -253,14 +266,15 @@ cdef int _twobit_decompress_raw(str name, const uint8_t[:, ::1] codes, double th
                          f"got {codes.shape[1]}")
     if n == 0:
         return 0
+    _q_check_rows(name, "codes", codes.strides[0], codes.strides[1], 1, nbytes)
     with nogil:
-        r = gf_twobit_decompress_sum(&codes[0, 0], nbytes, p, t, ptrs, counts, lo, hi, n, divisor)
+        r = gf_twobit_decompress_sum(&codes[0, 0], codes.strides[0], p, t, ptrs, counts, lo, hi, n, divisor)
     if r < 0:
         raise MemoryError(f"{name}: cannot allocate the staging buffer")
     return 0
 
 
-def twobit_decompress_sum(const uint8_t[:, ::1] codes, float threshold,
+def twobit_decompress_sum(const uint8_t[:, :] codes, float threshold,
                           const int64_t[::1] dst_ptrs, const int64_t[::1] offsets,
                           const int64_t[::1] counts, Py_ssize_t lo, Py_ssize_t hi,
                           double divisor):
@@ -278,7 +292,7 @@ def twobit_decompress_sum(const uint8_t[:, ::1] codes, float threshold,
                            &counts[0], lo, hi, n, divisor)
 
 
-def twobit_decompress_sum_array(const uint8_t[:, ::1] codes, float threshold,
+def twobit_decompress_sum_array(const uint8_t[:, :] codes, float threshold,
                                 float[::1] out, double divisor):
     """twobit_decompress_sum into one contiguous float32 array (n = len(out))."""
     cdef int64_t n = out.shape[0]

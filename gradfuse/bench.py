@@ -1,8 +1,10 @@
 """Benchmarks: ratios measured side by side in one run (this machine is shared and noisy).
 
     python -m gradfuse.bench fusion                  # pack+unpack GB/s vs np.copyto
+    python -m gradfuse.bench compress                # compressor kernels vs numpy and copy bandwidth
     mpiexec -n 2 python -m gradfuse.bench allreduce  # vs per-tensor mpi4py, naive fusion, Horovod
     mpiexec -n 2 python -m gradfuse.bench threshold  # gradfuse time per fusion threshold
+    mpiexec -n 3 python -m gradfuse.bench collectives  # every compressor: time and bytes per rank
 
 Every method runs once per round, methods alternate inside a round, and the table
 reports the median over rounds, so drifting machine load hits all methods alike.
@@ -115,6 +117,120 @@ def bench_fusion(rounds):
     print("\nGB/s count bytes read plus bytes written: pack+unpack moves 4x the set's bytes, a copy 2x.")
 
 
+# --- compressors -----------------------------------------------------------------------
+def _numpy_baselines(n, seed=0):
+    """Straightforward numpy versions of each compressor's math (speed baselines only)."""
+    def onebit(g, e, block=512):
+        c = g + e
+        s = np.abs(c[: n - n % block].reshape(-1, block)).mean(axis=1)
+        packed = np.packbits(c >= 0, bitorder="little")
+        s_full = np.repeat(s, block)
+        v = np.where(c[: s_full.size] >= 0, s_full, -s_full)
+        e[: s_full.size] = c[: s_full.size] - v
+        return packed, s
+
+    def twobit(g, e, t=0.5):
+        c = g + e
+        q = np.where(c >= t, t, np.where(c <= -t, -t, 0)).astype(np.float32)
+        codes = (c >= t).astype(np.uint8) | ((c <= -t).astype(np.uint8) << 1)
+        packed = codes.reshape(-1, 4)
+        packed = packed[:, 0] | (packed[:, 1] << 2) | (packed[:, 2] << 4) | (packed[:, 3] << 6)
+        e[:] = c - q
+        return packed
+
+    def topk(g, e, ratio=0.01):
+        c = g + e
+        k = max(1, int(np.ceil(ratio * n)))
+        idx = np.sort(np.argpartition(-np.abs(c), k)[:k])
+        vals = c[idx]
+        e[:] = c
+        e[idx] = 0
+        return vals, idx
+
+    def randomk(g, e, ratio=0.01):
+        c = g + e
+        k = max(1, int(np.ceil(ratio * n)))
+        idx = np.sort(np.random.default_rng(seed).choice(n, k, replace=False))
+        vals = c[idx]
+        e[:] = c
+        e[idx] = 0
+        return vals
+
+    def bf16(g):
+        u = g.view(np.uint32)
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+    return {"1bit": onebit, "2bit": twobit, "topk": topk, "randomk": randomk,
+            "fp16": lambda g: g.astype(np.float16), "bf16": bf16}
+
+
+def bench_compress(rounds, n=1 << 24):
+    from . import _core
+    from .compressors import BucketContext, create
+    from .plan import aligned_empty
+    from .reduce import Wire
+    rng = np.random.default_rng(0)
+    g = rng.standard_normal(n).astype(np.float32)
+    table = (np.array([g.ctypes.data], np.int64), np.zeros(1, np.int64), np.array([n], np.int64), 0, 1)
+    copy_src, copy_dst = aligned_empty(4 * n), aligned_empty(4 * n)
+    copy_src[:] = 1
+    base = _numpy_baselines(n)
+    ctx = BucketContext()
+    rows = []
+    for name, opts in [("fp16", {}), ("bf16", {}), ("1bit", {}), ("2bit", {}), ("topk", {}), ("randomk", {})]:
+        comp = create(name, **opts)
+        ef = comp.error_feedback
+        e_in, e_out = (np.zeros(n, np.float32), np.zeros(n, np.float32)) if ef else (np.zeros(0, np.float32),) * 2
+        wire = Wire(comp.payload_layout(n))
+        row = aligned_empty(wire.nbytes)
+        payloads = wire.views(row)
+        out = np.empty(n, np.float32)
+        dst_table = (np.array([out.ctypes.data], np.int64), np.zeros(1, np.int64), np.array([n], np.int64), 0, 1)
+        rows2d = [pl.reshape(1, -1) for pl in payloads]
+        if comp.collective == "allreduce":
+            def compress():
+                comp.pack(table, payloads[0])
+            touched = 4 * n + 2 * n
+            def numpy_ref():
+                base[name](g)
+        else:
+            def compress():
+                comp.compress_table(table, e_in, e_out, payloads, ctx)
+            touched = 4 * n * (3 if ef else 1) + wire.nbytes
+            e_np = np.zeros(n, np.float32)
+            def numpy_ref():
+                base[name](g, e_np)
+
+        def decompress():
+            comp.decompress_sum_table(rows2d, dst_table, 1.0, ctx)
+
+        def copy():
+            np.copyto(copy_dst, copy_src)
+
+        compress()
+        t = _median_times({"compress": compress, "decompress": decompress, "numpy": numpy_ref, "copy": copy},
+                          rounds, progress=_progress(f"compress {name}"))
+        copy_bw = 2 * 4 * n / t["copy"]
+        rows.append({
+            "name": name, "ef": ef,
+            "c_gbs": 4 * n / t["compress"] / GB, "d_gbs": 4 * n / t["decompress"] / GB,
+            "vs_numpy": t["numpy"] / t["compress"],
+            "vs_bw": (touched / t["compress"]) / copy_bw,
+            "wire": (4 * n) / (wire.nbytes - 8),
+            "touched_per_elem": touched / n,
+        })
+    print(f"\n### compressor kernels, one {4 * n / 1e6:.0f} MB float32 bucket ({rounds} rounds, median)\n")
+    print("| compressor | error feedback | compress GB/s | decompress GB/s | compress vs numpy | "
+          "compress vs memory-bandwidth limit | fp32 bytes / wire bytes |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['name']} | {'yes' if r['ef'] else 'no'} | {r['c_gbs']:.2f} | {r['d_gbs']:.2f} | "
+              f"{r['vs_numpy']:.1f}x | {r['vs_bw']:.2f}x | {r['wire']:.1f}x |")
+    print("\nGB/s are gradient bytes (4 per element) per second. The bandwidth limit is the bytes the "
+          "kernel must touch (gradient, residual read and written, payload) at np.copyto's speed in the "
+          "same run; 1.00x means memory speed. numpy: the straightforward numpy version of the same math.")
+
+
 # --- allreduce ------------------------------------------------------------------------
 def _horovod():
     try:
@@ -208,6 +324,48 @@ def bench_allreduce(rounds, sets, with_horovod=True):
         hvd.shutdown()
 
 
+def bench_collectives(rounds, sets):
+    from mpi4py import MPI
+    import gradfuse
+    world = MPI.COMM_WORLD
+    gradfuse.init()
+    configs = [("none", {}), ("fp16", {}), ("bf16", {}), ("1bit", {"algorithm": "allgather"}),
+               ("1bit", {"algorithm": "twophase"}), ("2bit", {}), ("topk", {}), ("randomk", {})]
+    table = {}
+    for set_name in sets:
+        arrays = make_set(SETS[set_name](), 11 + world.rank)
+        total = sum(a.nbytes for a in arrays)
+        methods, pipes = {}, {}
+        for name, opts in configs:
+            label = name + (f" ({opts['algorithm']})" if "algorithm" in opts else "")
+            pipe = gradfuse.Pipeline(compress=name, **opts)
+            work = [a.copy() for a in arrays]
+            pipes[label] = pipe
+            methods[label] = (lambda pipe=pipe, work=work: pipe.allreduce_(work))
+        for fn in methods.values():
+            fn()
+        sent0 = {k: p.stats.bytes_sent for k, p in pipes.items()}
+        t = _median_times(methods, rounds, sync=world.Barrier,
+                          progress=_progress(f"collectives {set_name}") if world.rank == 0 else None)
+        t = {k: world.allreduce(v, op=MPI.MAX) for k, v in t.items()}
+        sent = {k: (pipes[k].stats.bytes_sent - sent0[k]) / rounds for k in pipes}
+        table[set_name] = (total, t, sent)
+    if world.rank == 0:
+        p = world.size
+        print(f"\n### compressed allreduce, {p} ranks ({rounds} rounds, median of the slowest rank)\n")
+        print("| set | compressor | ms per step | speed vs none | bytes sent per rank per step | "
+              "fp32 allreduce bytes / these |")
+        print("|---|---|---:|---:|---:|---:|")
+        for set_name, (total, t, sent) in table.items():
+            ring = 2 * (p - 1) / p * total          # what a bandwidth-optimal fp32 allreduce sends
+            for k in t:
+                b = sent[k] if k != "none" else ring
+                print(f"| {set_name} | {k} | {t[k] * 1e3:.2f} | {t['none'] / t[k]:.2f}x | "
+                      f"{b / 1e6:.3f} MB | {ring / b:.1f}x |")
+        print("\n'none' bytes: a bandwidth-optimal allreduce's 2(p-1)/p x S (the MPI library decides the "
+              "real traffic). Compressed rows: gradfuse's own count of payload bytes it sent.")
+
+
 def bench_threshold(rounds, sets):
     from mpi4py import MPI
     import gradfuse
@@ -243,7 +401,7 @@ def bench_threshold(rounds, sets):
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m gradfuse.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["fusion", "allreduce", "threshold"])
+    ap.add_argument("what", choices=["fusion", "compress", "allreduce", "threshold", "collectives"])
     ap.add_argument("--rounds", type=int, default=None, help="rounds per method (default 20; fusion 15)")
     ap.add_argument("--sets", default="resnet50,small", help="comma-separated: resnet50, small")
     ap.add_argument("--no-horovod", action="store_true", help="leave Horovod out even if installed")
@@ -254,8 +412,12 @@ def main(argv=None):
             ap.error(f"unknown set {s!r}; choose from {', '.join(SETS)}")
     if args.what == "fusion":
         bench_fusion(args.rounds or 15)
+    elif args.what == "compress":
+        bench_compress(args.rounds or 7)
     elif args.what == "allreduce":
         bench_allreduce(args.rounds or 20, sets, with_horovod=not args.no_horovod)
+    elif args.what == "collectives":
+        bench_collectives(args.rounds or 10, sets)
     else:
         bench_threshold(args.rounds or 10, sets)
 

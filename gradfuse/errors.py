@@ -22,3 +22,11 @@ class RemoteInputError(ValueError):
 
 class StallError(GradfuseError):
     """A rank did not arrive at a collective within GRADFUSE_STALL_TIMEOUT_S."""
+
+
+class NonFiniteError(GradfuseError, FloatingPointError):
+    """A compressed step saw NaN or Inf (in an input, or from fp16 overflow).
+
+    Raised on every rank before any result is written; error-feedback residuals are left
+    as they were before the step.
+    """

@@ -28,20 +28,28 @@ import numpy as np
 from . import _core, config, intake, runtime
 from . import compressors as _compressors
 from . import dtypes as _dt
+from .compressors.base import BucketContext
 from .control import Request
+from .errors import NonFiniteError
 from .plan import FusionPlan, parse_signature
+from .reduce import JOBS, twophase_chunk
+from .state import CompressionState
 
+_F32 = _dt.CODE[np.dtype(np.float32)]
 _PLAN_CACHE = 8
 
 
 class Stats:
     """Counters of one pipeline (read them as attributes or with ``as_dict()``).
 
-    ``bytes_reduced`` counts the bytes handed to the reduction, so a collective that
-    was stopped by the control plane adds 0.
+    ``bytes_reduced`` counts the gradient bytes a step reduced (uncompressed size), so a
+    collective that was stopped by the control plane or the non-finite policy adds 0.
+    ``bytes_sent`` estimates the compressed payload bytes this rank put on the wire.
+    ``cast_overflow``/``cast_underflow`` count fp16/bf16 values that became inf / zero.
     """
 
-    FIELDS = ("steps", "tensors", "buckets", "bytes_reduced", "plans_built", "failed_steps")
+    FIELDS = ("steps", "tensors", "buckets", "bytes_reduced", "bytes_sent", "plans_built", "failed_steps",
+              "nonfinite_steps", "cast_overflow", "cast_underflow")
 
     def __init__(self):
         for f in self.FIELDS:
@@ -57,11 +65,11 @@ class Stats:
 class _Entry:
     """A cached plan and everything derived from the same signature."""
 
-    __slots__ = ("plan", "request", "names", "shapes", "codes", "counts", "verified")
+    __slots__ = ("plan", "request", "names", "shapes", "codes", "verified")
 
-    def __init__(self, plan, request, names, shapes, codes, counts):
+    def __init__(self, plan, request, names, shapes, codes):
         self.plan, self.request, self.names = plan, request, names
-        self.shapes, self.codes, self.counts = shapes, codes, counts
+        self.shapes, self.codes = shapes, codes
         self.verified = None     # output pointer table last checked for overlaps
 
 
@@ -195,8 +203,6 @@ class Pipeline:
     def __init__(self, compress=None, fusion_threshold=None, average=True, comm=None,
                  direct_threshold=None, **compressor_options):
         self.compressor = _compressors.create(compress, **compressor_options)
-        if not self.compressor.lossless:
-            raise NotImplementedError(f"compressor {self.compressor.name!r} has no collective yet")
         self.fusion_threshold = config.fusion_threshold(fusion_threshold)
         if direct_threshold is not None:
             direct_threshold = config.fusion_threshold(direct_threshold)
@@ -208,6 +214,8 @@ class Pipeline:
         self.comm = self._ctx.comm
         self._plans = OrderedDict()
         self.stats = Stats()
+        self.state = CompressionState()
+        self._wire_cache = {}
 
     # --- public API ---------------------------------------------------------------
     def allreduce(self, grads, out=None, names=None):
@@ -237,6 +245,47 @@ class Pipeline:
             request = Request("allreduce", error=exc)
             return self._ctx.engine.submit(lambda: self._refuse(request), "allreduce")
         return self._ctx.engine.submit(run, "allreduce")
+
+    def state_dict(self):
+        """This rank's compressor state (residuals, server residuals, step counter).
+
+        Plain numpy arrays and JSON-able values; ``load_state_dict`` restores it bit-exactly.
+        Each rank saves and loads its own (see ``save_state``).
+        """
+        return self.state.state_dict(self.compressor.get_config(), self.comm.size, self.comm.rank)
+
+    def load_state_dict(self, sd):
+        """Restore a ``state_dict()``. A state from another world size or compressor config
+        is reset with a warning; residuals of a bucket layout not in use are dropped with a
+        warning when the next step runs. Returns True if the state was restored."""
+        return self.state.load_state_dict(sd, self.compressor.get_config(), self.comm.size, self.comm.rank)
+
+    def save_state(self, path):
+        """Save this rank's state to ``path`` (numpy .npz, no pickle). Call it on every rank
+        with a per-rank path, e.g. ``f"ckpt/gradfuse-rank{gradfuse.rank()}.npz"``."""
+        import json
+        sd = self.state_dict()
+        arrays = {}
+        meta = {k: v for k, v in sd.items() if k != "buckets"}
+        meta["buckets"] = {}
+        for i, (key, b) in enumerate(sd["buckets"].items()):
+            arrays[f"r{i}"] = b["residual"]
+            arrays[f"s{i}"] = b["server_residual"]
+            meta["buckets"][key] = {"n": b["n"], "algorithm": b["algorithm"], "i": i}
+        with open(path, "wb") as f:
+            np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+
+    def load_state(self, path):
+        """Load a file written by ``save_state`` (this rank's own)."""
+        import json
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(z["meta"].tobytes().decode())
+            buckets = {}
+            for key, b in meta["buckets"].items():
+                buckets[key] = {"n": b["n"], "algorithm": b["algorithm"],
+                                "residual": z[f"r{b['i']}"], "server_residual": z[f"s{b['i']}"]}
+        meta["buckets"] = buckets
+        return self.load_state_dict(meta)
 
     def get_config(self):
         """The options that reproduce this pipeline: ``Pipeline(**get_config())``."""
@@ -306,15 +355,13 @@ class Pipeline:
         shapes = [s for _, s in parsed]
         sizes = nbytes.tolist()
         plan = FusionPlan(codes, sizes, self.fusion_threshold, self.direct_threshold)
-        counts = np.array([sizes[i] // _dt.DTYPE[codes[i]].itemsize for i in range(len(codes))],
-                          dtype=np.int64)
         request = Request("allreduce", names, shapes, [_dt.name(c) for c in codes], self._options())
         if self.average:
             for name, c in zip(names, codes):
                 if c not in _dt.FLOAT_CODES:
                     raise TypeError(f"tensor {name!r}: average=True needs a float dtype, got "
                                     f"{_dt.name(c)} (use average=False to sum integers)")
-        entry = _Entry(plan, request, names, shapes, codes, counts)
+        entry = _Entry(plan, request, names, shapes, codes)
         self._plans[key] = entry
         self.stats.plans_built += 1
         if len(self._plans) > _PLAN_CACHE:
@@ -353,8 +400,10 @@ class Pipeline:
         plan = entry.plan
         src = in_ptrs[plan.order]
         dst = out_ptrs[plan.order]
+        inplace = bool(np.array_equal(src, dst))
         ctx, stats = self._ctx, self.stats
         average = self.average
+        comp = self.compressor
 
         def run():
             comm = ctx.comm
@@ -365,7 +414,14 @@ class Pipeline:
                 raise
             divide = average and comm.size > 1
             size = float(comm.size)
-            for b in plan.buckets:
+            compressed = []
+            if not comp.lossless:
+                compressed = self._start_compressed(entry, src, dst, size if average else 1.0)
+            # one rank, in place: the sum (and the mean) of one tensor is the tensor itself
+            plain = () if comm.size == 1 and inplace else plan.buckets
+            for b in plain:
+                if b.index in compressed:
+                    continue
                 if b.direct:
                     i = int(plan.order[b.lo])
                     if src[b.lo] == dst[b.lo]:
@@ -373,7 +429,7 @@ class Pipeline:
                     else:
                         comm.allreduce(in_objs[i], out_objs[i])
                     if divide:
-                        _core.div_inplace(int(dst[b.lo]), int(entry.counts[i]), b.code, size)
+                        _core.div_inplace(int(dst[b.lo]), int(plan.counts[b.lo]), b.code, size)
                 else:
                     _core.pack(b.buffer, src, plan.offsets, plan.nbytes, b.lo, b.hi)
                     comm.allreduce_inplace(b.view())
@@ -382,9 +438,60 @@ class Pipeline:
                     else:
                         _core.unpack(b.buffer, dst, plan.offsets, plan.nbytes, b.lo, b.hi)
                 stats.bytes_reduced += b.nbytes
+            for job in compressed.values() if compressed else ():
+                job.finish()
+                stats.bytes_reduced += job.bucket.nbytes
+            if not comp.lossless:
+                self.state.step += 1
             stats.steps += 1
             stats.tensors += len(entry.names)
             stats.buckets += len(plan.buckets)
             return result
 
         return run
+
+    def _start_compressed(self, entry, src, dst, divisor):
+        """Compress and exchange every float32 bucket; raise on every rank if any was non-finite.
+
+        Returns {bucket index: job} for ``finish()`` once the plain buckets are done.
+        Warm-up steps (``warmup_steps``) return {} so that everything goes uncompressed.
+        """
+        comp, comm, state, plan = self.compressor, self.comm, self.state, entry.plan
+        if state.step < comp.warmup_steps:
+            return {}
+        digest = entry.request.digest.hex()
+        jobs = {}
+        for b in plan.buckets:
+            if b.code != _F32:
+                continue           # compressors work on float32; other dtypes go uncompressed
+            n = b.count
+            algorithm = comp.algorithm_for(n, comm.size) if hasattr(comp, "algorithm_for") else comp.collective
+            server_n = 0
+            if algorithm == "twophase" and comp.error_feedback:
+                e0, e1 = twophase_chunk(n, comm.size, comp.block, comm.rank)
+                server_n = e1 - e0
+            key = (digest, b.index)
+            st = state.bucket(key, n if comp.error_feedback else 0, server_n, algorithm)
+            ctx = BucketContext(bucket=b.index, step=state.step)
+            job = JOBS[algorithm](comm, comp, b, (src, plan.elem_offsets, plan.counts, b.lo, b.hi),
+                                  (dst, plan.elem_offsets, plan.counts, b.lo, b.hi), st, ctx, divisor,
+                                  self._wire_cache.setdefault(key, {}), self.stats)
+            job.start()
+            jobs[b.index] = job
+        state.claim_done({digest})
+        bad = [j for j in jobs.values() if j.nonfinite_ranks]
+        if bad:
+            self.stats.nonfinite_steps += 1
+            self.stats.failed_steps += 1
+            parts = []
+            for j in bad:
+                names = [entry.names[int(i)] for i in plan.order[j.bucket.lo:j.bucket.hi][:4]]
+                who = (f"on rank(s) {', '.join(str(r) for r in j.nonfinite_ranks)}"
+                       if "?" not in j.nonfinite_ranks else "")
+                parts.append(f"bucket {j.bucket.index} (tensors {', '.join(repr(x) for x in names)}"
+                             f"{', ...' if j.bucket.hi - j.bucket.lo > 4 else ''}): non-finite values {who}"
+                             f"{'; ' + j.nonfinite_detail if j.nonfinite_detail else ''}")
+            raise NonFiniteError(f"{comp.name}: NaN/Inf in the step's gradients; the step was refused on "
+                                 f"every rank, no result was written and the residuals are unchanged: "
+                                 + "; ".join(parts))
+        return jobs

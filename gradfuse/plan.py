@@ -63,6 +63,11 @@ class Bucket:
     def dtype(self):
         return _dt.DTYPE[self.code]
 
+    @property
+    def count(self):
+        """Number of elements in the bucket."""
+        return self.nbytes // self.dtype.itemsize
+
     def view(self):
         """The fusion buffer as an array of the bucket's dtype."""
         return self.buffer.view(self.dtype)
@@ -120,6 +125,12 @@ class FusionPlan:
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.nbytes = np.asarray(nbytes, dtype=np.int64)
         self.buckets = buckets
+        # the same table in elements, for kernels that work on typed values
+        item = np.ones(len(order), dtype=np.int64)
+        for b in buckets:
+            item[b.lo:b.hi] = _dt.DTYPE[b.code].itemsize
+        self.elem_offsets = self.offsets // item
+        self.counts = self.nbytes // item
 
     def layout(self):
         """A compact description of the layout, part of what the ranks agree on."""

@@ -75,3 +75,16 @@ def test_cuda_array_interface_becomes_device_array():
 def test_unknown_object_error_names_tensor():
     with pytest.raises(TypeError, match="tensor 'w': builtins.object is not an array"):
         intake.as_array(object(), "w")
+
+
+def test_real_mxnet_ndarray_zero_copy_in_place():
+    mx = pytest.importorskip("mxnet")
+    nd = mx.nd.arange(6, dtype="float32").reshape((2, 3)) * 2      # pending engine op
+    view = intake.as_array(nd, "w")
+    assert view.flags.writeable and view.shape == (2, 3) and view.dtype == np.float32
+    view[0, 0] = 100.0
+    assert nd.asnumpy()[0, 0] == 100.0                               # same memory, no copy
+    pipe = gradfuse.Pipeline(comm=SingleProcessCommunicator(), average=False)
+    grads = [mx.nd.ones((3,), dtype="float16"), mx.nd.full((4,), 2.0, dtype="float64")]
+    out = pipe.allreduce_(grads)
+    assert out is grads and grads[1].asnumpy().tolist() == [2.0] * 4

@@ -47,3 +47,25 @@ def test_stall_timeout_aborts_the_job_and_names_the_rank():
     assert not timed_out, out
     assert code != 0
     assert "stall timeout" in out and "waiting for rank 1" in out, out
+
+
+def test_main_job_demo_runs_and_checks_itself():
+    """README's main-job command (shortened): 2 ranks, results bit-identical to per-tensor MPI."""
+    code, out, timed_out = run_limited([mpiexec_path(), "-n", "2", sys.executable, "-m", "gradfuse.demo",
+                                        "--steps", "2"], timeout=120, env=_mpi_env(), cwd=ROOT)
+    assert not timed_out and code == 0, out
+    assert out.count("bit-identical to per-tensor MPI.Allreduce") == 2, out
+    assert "done: median" in out
+
+
+def test_compression_accuracy_example():
+    code, out, timed_out = run_limited(
+        [mpiexec_path(), "-n", "2", sys.executable, "examples/numpy_digits_compression.py",
+         "--compress", "all", "--epochs", "3"], timeout=120, env=_mpi_env(), cwd=ROOT)
+    assert not timed_out and code == 0, out
+    rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| compressor")}
+    assert set(rows) == {"none", "fp16", "bf16", "1bit", "2bit", "topk", "randomk"}, out
+    for name, (acc, _, same) in rows.items():
+        assert same.strip() == "yes", (name, out)
+    assert float(rows["none"][0]) > 0.85 and float(rows["1bit"][0]) > 0.85, out

@@ -39,6 +39,11 @@ class Communicator(ABC):
         """Reduce with ``op`` in ("sum", "min", "max", "prod") from ``src`` into ``dst``."""
         raise NotImplementedError(f"{self.kind} communicator has no allreduce_op")
 
+    def allreduce16(self, buf, fmt):
+        """Sum a uint16 buffer of fp16 (fmt 1) or bf16 (fmt 2) values in place, each
+        pairwise add in float32 rounded once (the ``sum16`` kernel as an MPI user op)."""
+        raise NotImplementedError(f"{self.kind} communicator has no allreduce16")
+
     def bcast(self, arr, root):
         """Broadcast ``arr`` in place from ``root``."""
         raise NotImplementedError(f"{self.kind} communicator has no bcast")

@@ -24,19 +24,23 @@ def mpi():
     return _MPI
 
 
-_F16_SUM = None
+_SUM16 = {}
 
 
-def _f16_sum_op():
-    global _F16_SUM
-    if _F16_SUM is None:
+def _sum16_op(fmt):
+    """The MPI op that sums fp16 (fmt 1) or bf16 (fmt 2) words: float32 add, rounded once."""
+    if fmt not in _SUM16:
         MPI = mpi()
 
         def _sum(inbuf, inoutbuf, datatype):
-            _core.sum_f16(inbuf, inoutbuf)
+            _core.sum16(fmt, inbuf, inoutbuf)
 
-        _F16_SUM = MPI.Op.Create(_sum, commute=True)
-    return _F16_SUM
+        _SUM16[fmt] = MPI.Op.Create(_sum, commute=True)
+    return _SUM16[fmt]
+
+
+def _f16_sum_op():
+    return _sum16_op(1)
 
 
 _F16_OPS = {}
@@ -150,6 +154,10 @@ class MPICommunicator(Communicator):
         mtype, op = _type_and_op(src.dtype)
         self.data.Allreduce([src, mtype], [dst, mtype], op=op)
         return dst
+
+    def allreduce16(self, buf, fmt):
+        self.data.Allreduce(self._in_place, [buf, mpi().UINT16_T], op=_sum16_op(fmt))
+        return buf
 
     def allreduce_op(self, src, dst, op):
         MPI = mpi()

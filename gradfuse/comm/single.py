@@ -39,6 +39,9 @@ class SingleProcessCommunicator(Communicator):
     def test(request):
         return True
 
+    def allreduce16(self, buf, fmt):
+        return buf
+
     def allreduce_op(self, src, dst, op):
         if src is not dst:
             np.copyto(dst, src)

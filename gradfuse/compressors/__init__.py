@@ -4,10 +4,16 @@ Contract of an extension point: a compressor is a class registered under a name 
 ``register_compressor``. ``Pipeline(compress=NAME, **options)`` looks it up here; an
 unknown name raises a ``ValueError`` that lists the valid names. ``get_config()``
 returns ``{"name": ..., **options}`` and is part of what the ranks agree on before a
-collective. This release ships ``"none"`` (the uncompressed MPI allreduce); the lossy
-compressors (fp16, bf16, 1bit, 2bit, topk, randomk) are the next piece of work.
+collective. Built in: none, fp16, bf16, 1bit, 2bit, topk, randomk (one file each);
+the contract a compressor implements is in ``gradfuse.compressors.base``.
 """
-from .base import Compressor, NoneCompressor
+from .base import BucketContext, Compressor, NoneCompressor
+from .bf16 import BF16
+from .fp16 import FP16
+from .onebit import OneBit
+from .randomk import RandomK
+from .topk import TopK
+from .twobit import TwoBit
 
 _REGISTRY = {}
 
@@ -35,12 +41,17 @@ def create(name=None, **options):
         if options:
             raise TypeError("options cannot be given together with a compressor instance")
         return name
+    if isinstance(name, dict):               # a get_config() dict
+        options = {**{k: v for k, v in name.items() if k != "name"}, **options}
+        name = name.get("name")
     cls = _REGISTRY.get(name) if isinstance(name, str) else None
     if cls is None:
         raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(available())}")
     return cls(**options)
 
 
-register_compressor("none", NoneCompressor)
+for _cls in (NoneCompressor, FP16, BF16, OneBit, TwoBit, TopK, RandomK):
+    register_compressor(_cls.name, _cls)
 
-__all__ = ["Compressor", "NoneCompressor", "register_compressor", "available", "create"]
+__all__ = ["BucketContext", "Compressor", "NoneCompressor", "FP16", "BF16", "OneBit", "TwoBit", "TopK",
+           "RandomK", "register_compressor", "available", "create"]

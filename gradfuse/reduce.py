@@ -1,0 +1,252 @@
+"""Compressed collectives for one fusion bucket.
+
+Each reducer runs in two halves so that the non-finite policy can hold for the whole
+step: ``start()`` compresses the bucket (fused kernel, reading the tensors through the
+plan's pointer table) and exchanges the payloads; ``finish()`` decodes, writes the
+results into the outputs and commits the new residuals. The pipeline calls ``start`` on
+every compressed bucket, then checks ``nonfinite`` (identical on every rank, because it
+travels with the payloads), and only then calls ``finish``. So a step with NaN/Inf
+anywhere raises on every rank before any result is written, and no residual changes.
+
+Wire format of one rank's allgather payload: an int64 header (the number of non-finite
+values this rank saw) followed by the compressor's payload arrays, each starting on an
+8-byte boundary.
+"""
+import numpy as np
+
+from . import _core
+from .compressors.error_feedback import EMPTY, compress_with_feedback
+from .plan import aligned_empty
+
+
+def _align8(n):
+    return (n + 7) & ~7
+
+
+class Wire:
+    """Byte layout of one payload (header + arrays), with views into a buffer row."""
+
+    def __init__(self, layout):
+        self.layout = layout
+        self.offsets = []
+        off = 8
+        for dtype, count in layout:
+            self.offsets.append(off)
+            off = _align8(off + dtype.itemsize * count)
+        self.nbytes = off
+
+    def views(self, row):
+        """Payload arrays inside ``row`` (a 1-D uint8 buffer of ``nbytes``)."""
+        return [row[o:o + d.itemsize * c].view(d) for o, (d, c) in zip(self.offsets, self.layout)]
+
+    def rows(self, table):
+        """Per payload, a ``[p, count]`` view of a ``[p, nbytes]`` uint8 table."""
+        return [table[:, o:o + d.itemsize * c].view(d) for o, (d, c) in zip(self.offsets, self.layout)]
+
+    @staticmethod
+    def header(row_or_table):
+        return row_or_table[..., :8].view(np.int64)
+
+
+class BucketJob:
+    """What every reducer gets: the bucket, its tables, the compressor, its state."""
+
+    def __init__(self, comm, comp, bucket, src_table, dst_table, state, ctx, divisor, cache, stats):
+        self.comm, self.comp, self.bucket = comm, comp, bucket
+        self.src, self.dst = src_table, dst_table
+        self.state, self.ctx, self.divisor = state, ctx, divisor
+        self.cache, self.stats = cache, stats
+        self.n = bucket.count
+        self.nonfinite_ranks = []     # ranks that reported non-finite values (same everywhere)
+        self.nonfinite_detail = ""
+
+    def residuals(self):
+        if self.comp.error_feedback:
+            return self.state.cur, self.state.nxt
+        return EMPTY, EMPTY
+
+    def compress_into(self, payloads):
+        """Fused kernel if the compressor has one, else the reference path."""
+        e_in, e_out = self.residuals()
+        bad = self.comp.compress_table(self.src, e_in, e_out, payloads, self.ctx)
+        if bad is None:
+            g = np.empty(self.n, np.float32)
+            src, off, cnt, lo, hi = self.src
+            _core.pack(g.view(np.uint8), src, off * 4, cnt * 4, lo, hi)
+            bad = compress_with_feedback(self.comp, g, e_in, e_out, payloads, self.ctx)
+        return int(bad)
+
+    def write_sum(self, rows, divisor):
+        """Decode-sum-divide ``rows`` into the outputs (fused kernel or reference path)."""
+        if not self.comp.decompress_sum_table(rows, self.dst, divisor, self.ctx):
+            acc = self.comp.decompress_sum(rows, self.n, self.ctx)
+            if divisor != 1.0:
+                acc = np.divide(acc, np.float32(divisor), dtype=np.float32)
+            dst, off, cnt, lo, hi = self.dst
+            _core.unpack(np.ascontiguousarray(acc, np.float32).view(np.uint8), dst, off * 4, cnt * 4, lo, hi)
+
+    def commit(self):
+        if self.comp.error_feedback or self.state.server_cur.size:
+            self.state.commit()
+
+
+class AllgatherJob(BucketJob):
+    """Every rank sends its payload to every rank; every rank decodes and sums all of them."""
+
+    def start(self):
+        p = self.comm.size
+        wire = Wire(self.comp.payload_layout(self.n))
+        key = ("allgather", wire.nbytes, p)
+        bufs = self.cache.get(key)
+        if bufs is None:
+            bufs = (aligned_empty(wire.nbytes), aligned_empty(wire.nbytes * p).reshape(p, wire.nbytes))
+            bufs[0][:] = 0
+            self.cache.clear()
+            self.cache[key] = bufs
+        send, recv = bufs
+        Wire.header(send)[0] = self.compress_into(wire.views(send))
+        self.comm.allgather(send, recv)
+        self.stats.bytes_sent += wire.nbytes * (p - 1)
+        flags = Wire.header(recv)[:, 0]
+        self.nonfinite_ranks = [r for r in range(p) if flags[r]]
+        self.wire, self.recv = wire, recv
+
+    def finish(self):
+        self.write_sum(self.wire.rows(self.recv), self.divisor)
+        self.commit()
+
+
+class AllreduceJob(BucketJob):
+    """fp16/bf16: the network sums the 16-bit payloads (MPI user op, float32 add rounded once)."""
+
+    def start(self):
+        buf = self.cache.get("buf16")
+        if buf is None or buf.size != self.n:
+            buf = aligned_empty(2 * self.n).view(np.uint16)
+            self.cache["buf16"] = buf
+        prescale = float(self.comm.size) if self.comp.options.get("predivide") and self.divisor != 1.0 else 1.0
+        e_in, e_out = self.residuals()
+        if e_in.size:
+            g = np.empty(self.n, np.float32)
+            src, off, cnt, lo, hi = self.src
+            _core.pack(g.view(np.uint8), src, off * 4, cnt * 4, lo, hi)
+            if prescale != 1.0:
+                g = np.divide(g, np.float32(prescale), dtype=np.float32)
+            compress_with_feedback(self.comp, g, e_in, e_out, [buf], self.ctx)
+            ovf = unf = 0
+        else:
+            ovf, unf = self.comp.pack(self.src, buf, prescale)
+        self.stats.cast_overflow += ovf
+        self.stats.cast_underflow += unf
+        self.divisor_after = 1.0 if prescale != 1.0 else self.divisor
+        self.comm.allreduce16(buf, self.comp.fmt)
+        p = self.comm.size
+        self.stats.bytes_sent += 2 * self.n * 2 * (p - 1) // max(p, 1)
+        mask = self.comp.nonfinite_mask()
+        bad = int(np.count_nonzero((buf & mask) == mask))
+        if bad:
+            self.nonfinite_ranks = ["?"]
+            self.nonfinite_detail = (f"the {self.comp.name} sum holds {bad} inf/NaN value(s): an input was "
+                                     f"non-finite or the sum overflowed {self.comp.name}"
+                                     + (" (largest 65504; try predivide=True or bf16)" if self.comp.fmt == 1 else ""))
+        self.buf = buf
+
+    def finish(self):
+        self.write_sum([self.buf.reshape(1, -1)], self.divisor_after)
+        self.commit()
+
+
+class TwoPhaseJob(BucketJob):
+    """1-bit compressed allreduce in two phases (DeepSpeed's scheme, on any p).
+
+    The bucket's blocks are cut into p chunks of ``cb = ceil(nblocks / p)`` blocks (chunk
+    edges on block and word boundaries; the last chunks may be short or empty and are
+    padded). 1) alltoall: rank r receives every rank's chunk r. 2) rank r decodes and sums
+    them in rank order, divides (averaging), adds its server residual for chunk r and
+    compresses again. 3) allgather of the server payloads; every rank decodes the same
+    bits, so every rank ends with identical results.
+    """
+
+    def geometry(self):
+        B, n, p = self.comp.block, self.n, self.comm.size
+        nb = -(-n // B)
+        cb = max(1, -(-nb // p))
+        return B, n, p, nb, cb
+
+    def chunk(self, r):
+        return twophase_chunk(self.n, self.comm.size, self.comp.block, r)
+
+    def start(self):
+        B, n, p, nb, cb = self.geometry()
+        wire = Wire([(np.dtype(np.uint32), cb * B // 32), (np.dtype(np.float32), cb)])
+        key = ("twophase", wire.nbytes, p, n)
+        bufs = self.cache.get(key)
+        if bufs is None:
+            mk = lambda: aligned_empty(wire.nbytes * p).reshape(p, wire.nbytes)   # noqa: E731
+            bufs = (mk(), mk(), aligned_empty(wire.nbytes), mk(),
+                    np.empty((n + 31) // 32, np.uint32), np.empty(nb, np.float32))
+            self.cache.clear()
+            self.cache[key] = bufs
+        send, recv, ssend, srecv, bits, scales = bufs
+        send[:] = 0
+        bad = self.compress_into([bits, scales])
+        # worker payload, cut into chunks
+        for r in range(p):
+            e0, e1 = self.chunk(r)
+            Wire.header(send[r])[0] = bad
+            if e1 == e0:
+                continue        # an empty chunk (fewer blocks than ranks): only the header travels
+            w_bits, w_scales = wire.views(send[r])
+            w0, w1 = e0 // 32, -(-e1 // 32)
+            s0, s1 = e0 // B, -(-e1 // B)
+            w_bits[:w1 - w0] = bits[w0:w1]
+            w_scales[:s1 - s0] = scales[s0:s1]
+        self.comm.alltoall(send, recv)
+        # server side: my chunk from every rank
+        me = self.comm.rank
+        e0, e1 = self.chunk(me)
+        m = e1 - e0
+        rows = wire.rows(recv)
+        acc = np.empty(m, np.float32)
+        _core.onebit_decompress_sum_array(rows[0][:, :-(-m // 32)], rows[1][:, :-(-m // B)], B, acc,
+                                          self.divisor)
+        ssend[:] = 0
+        sb, ss = wire.views(ssend)
+        server_bad = _core.onebit_compress_array(acc, self.state.server_cur, self.state.server_nxt, B,
+                                                 sb[:-(-m // 32)], ss[:-(-m // B)])
+        worker_flags = Wire.header(recv)[:, 0]
+        Wire.header(ssend)[0] = int(worker_flags.any()) * (1 << 32) + int(server_bad)
+        self.comm.allgather(ssend, srecv)
+        self.stats.bytes_sent += 2 * wire.nbytes * (p - 1)
+        # every rank learns, from the server headers, which ranks had non-finite values
+        flags = Wire.header(srecv)[:, 0]
+        if flags.any():
+            self.nonfinite_ranks = ["?"]
+            self.nonfinite_detail = "a rank's gradients or a server average were non-finite"
+        self.wire, self.srecv, self.bits, self.scales = wire, srecv, bits, scales
+
+    def finish(self):
+        B, n, p, nb, cb = self.geometry()
+        wire, srecv, bits, scales = self.wire, self.srecv, self.bits, self.scales
+        for r in range(p):
+            e0, e1 = self.chunk(r)
+            if e1 == e0:
+                continue
+            sb, ss = wire.views(srecv[r])
+            w0, w1 = e0 // 32, -(-e1 // 32)
+            s0, s1 = e0 // B, -(-e1 // B)
+            bits[w0:w1] = sb[:w1 - w0]
+            scales[s0:s1] = ss[:s1 - s0]
+        dst, off, cnt, lo, hi = self.dst
+        _core.onebit_decompress_sum(bits.reshape(1, -1), scales.reshape(1, -1), B, dst, off, cnt, lo, hi, 1.0)
+        self.commit()
+
+
+def twophase_chunk(n, p, block, r):
+    """Element range [e0, e1) of chunk r of a bucket of n elements (see TwoPhaseJob)."""
+    nb = -(-n // block)
+    cb = max(1, -(-nb // p))
+    return min(r * cb * block, n), min((r + 1) * cb * block, n)
+
+
+JOBS = {"allgather": AllgatherJob, "allreduce": AllreduceJob, "twophase": TwoPhaseJob}

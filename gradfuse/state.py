@@ -1,0 +1,104 @@
+"""Compression state of a pipeline: residuals, server residuals, step counter.
+
+Residuals are per rank and per fusion bucket, keyed by the plan's digest (which covers
+names, shapes, dtypes, options and the bucket layout) and the bucket index, so a residual
+can only ever be applied to the bucket it came from. Each residual is double-buffered:
+kernels write the new residual into the spare buffer, and ``commit`` swaps it in once every
+rank has agreed the step was finite.
+
+``state_dict()`` holds plain numpy arrays and JSON-able values; restoring it is bit-exact.
+A state saved with another world size or compressor config is reset with a warning; a
+residual saved for a bucket layout that no longer exists is dropped with a warning.
+"""
+import warnings
+
+import numpy as np
+
+FORMAT = "gradfuse-state-1"
+
+
+class BucketState:
+    __slots__ = ("n", "cur", "nxt", "server_cur", "server_nxt", "algorithm")
+
+    def __init__(self, n, server_n=0, algorithm="allgather"):
+        self.n = n
+        self.cur = np.zeros(n, np.float32)
+        self.nxt = np.zeros(n, np.float32)
+        self.server_cur = np.zeros(server_n, np.float32)
+        self.server_nxt = np.zeros(server_n, np.float32)
+        self.algorithm = algorithm
+
+    def commit(self):
+        self.cur, self.nxt = self.nxt, self.cur
+        self.server_cur, self.server_nxt = self.server_nxt, self.server_cur
+
+
+class CompressionState:
+    """All of one pipeline's compressor state on this rank."""
+
+    def __init__(self):
+        self.step = 0                 # compressed-or-warm-up steps completed
+        self.buckets = {}             # (digest hex, bucket index) -> BucketState
+        self.pending = {}             # restored, not yet claimed by a plan
+        self.restored_from = None
+
+    def bucket(self, key, n, server_n, algorithm):
+        st = self.buckets.get(key)
+        if st is None or st.n != n or st.server_cur.size != server_n:
+            st = BucketState(n, server_n, algorithm)
+            saved = self.pending.pop(key, None)
+            if saved is not None:
+                if saved["n"] == n and saved["server_residual"].size == server_n:
+                    st.cur[...] = saved["residual"]
+                    st.server_cur[...] = saved["server_residual"]
+                else:
+                    warnings.warn(f"gradfuse: checkpointed residual of bucket {key[1]} has a different "
+                                  f"size; starting that bucket from zero", RuntimeWarning, stacklevel=3)
+            self.buckets[key] = st
+        st.algorithm = algorithm
+        return st
+
+    def claim_done(self, plan_keys):
+        """After a plan has taken its buckets: drop restored residuals no bucket matched."""
+        if self.pending and not any(k[0] in plan_keys for k in self.pending):
+            warnings.warn(f"gradfuse: {len(self.pending)} checkpointed residual(s) belong to a bucket "
+                          f"layout that is not in use (names, shapes, options or fusion threshold "
+                          f"changed); they were discarded", RuntimeWarning, stacklevel=3)
+            self.pending.clear()
+
+    def state_dict(self, config, world_size, rank):
+        buckets = {}
+        for (digest, b), st in self.buckets.items():
+            buckets[f"{digest}/{b}"] = {"n": st.n, "residual": st.cur.copy(),
+                                        "server_residual": st.server_cur.copy(),
+                                        "algorithm": st.algorithm}
+        for (digest, b), saved in self.pending.items():
+            buckets.setdefault(f"{digest}/{b}", saved)
+        return {"format": FORMAT, "compressor": config, "world_size": world_size, "rank": rank,
+                "step": self.step, "buckets": buckets}
+
+    def load_state_dict(self, sd, config, world_size, rank):
+        if not isinstance(sd, dict) or sd.get("format") != FORMAT:
+            raise ValueError(f"not a gradfuse state dict (expected format {FORMAT!r})")
+        problem = None
+        if sd["world_size"] != world_size:
+            problem = f"it was saved on {sd['world_size']} ranks and this run has {world_size}"
+        elif sd["compressor"] != config:
+            problem = f"it was saved with compressor {sd['compressor']} and this pipeline has {config}"
+        self.buckets.clear()
+        self.pending.clear()
+        if problem:
+            warnings.warn(f"gradfuse: compressor state reset: {problem}", RuntimeWarning, stacklevel=3)
+            self.step = 0
+            return False
+        if sd.get("rank") != rank:
+            warnings.warn(f"gradfuse: loading rank {sd.get('rank')}'s compressor state on rank {rank}; "
+                          f"each rank should load its own file", RuntimeWarning, stacklevel=3)
+        self.step = int(sd["step"])
+        for key, saved in sd["buckets"].items():
+            digest, b = key.rsplit("/", 1)
+            self.pending[(digest, int(b))] = {
+                "n": int(saved["n"]), "residual": np.asarray(saved["residual"], np.float32).copy(),
+                "server_residual": np.asarray(saved["server_residual"], np.float32).copy(),
+                "algorithm": saved.get("algorithm", "allgather")}
+        return True

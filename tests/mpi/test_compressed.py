@@ -1,0 +1,279 @@
+"""Compressed collectives across ranks, bit-exact against a numpy reference of the algorithm.
+
+The reference uses each compressor's plain ``compress``/``decompress`` (which the kernel
+tests check against tests/ref_*.py) plus the error-feedback math written out in numpy;
+the pipeline uses the fused table kernels. Every rank must end with identical bits.
+"""
+import warnings
+
+import numpy as np
+import pytest
+
+import gradfuse
+from gradfuse.compressors import BucketContext, create
+from gradfuse.errors import NonFiniteError
+from gradfuse.reduce import twophase_chunk
+
+ONE_BUCKET = 1 << 30          # every float32 tensor in one bucket, so the reference is simple
+
+CASES = [
+    ("1bit", {"block_size": 64, "algorithm": "allgather"}),
+    ("1bit", {"block_size": 32, "algorithm": "twophase"}),
+    ("1bit", {"block_size": 96, "algorithm": "twophase", "error_feedback": False}),
+    ("2bit", {"threshold": 0.3}),
+    ("topk", {"ratio": 0.05}),
+    ("randomk", {"ratio": 0.05, "seed": 7}),
+    ("1bit", {"error_feedback": False, "algorithm": "allgather"}),
+]
+
+
+def grads_for(rank, step, sizes=(33, 1, 200, 7, 0, 129)):
+    rng = np.random.default_rng([rank, step])
+    return {f"t{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(sizes)}
+
+
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint8).tobytes()
+
+
+def payload_arrays(comp, n):
+    return [np.zeros(c, d) for d, c in comp.payload_layout(n)]
+
+
+def roundtrip(comp, c, ctx):
+    pl = payload_arrays(comp, c.size)
+    comp.compress(c, pl, ctx)
+    return comp.decompress(pl, c.size, ctx).astype(np.float32)
+
+
+class Reference:
+    """The allgather and two-phase algorithms in numpy, for all ranks at once."""
+
+    def __init__(self, comp, p):
+        self.comp, self.p = comp, p
+        self.e = None
+        self.es = None
+
+    def step(self, buckets, step, divisor, algorithm):
+        comp, p, n = self.comp, self.p, buckets[0].size
+        ctx = BucketContext(bucket=0, step=step)
+        if self.e is None:
+            self.e = [np.zeros(n, np.float32) for _ in range(p)]
+            self.es = [None] * p
+        ef = comp.error_feedback
+        decoded = []
+        for r in range(p):
+            c = buckets[r] + self.e[r] if ef else buckets[r].copy()
+            v = roundtrip(comp, c, ctx)
+            if ef:
+                self.e[r] = (c - v).astype(np.float32)
+            decoded.append(v)
+        if algorithm == "allgather":
+            acc = decoded[0].copy()
+            for v in decoded[1:]:
+                acc += v
+            return acc / np.float32(divisor) if divisor != 1.0 else acc
+        out = np.empty(n, np.float32)
+        for r in range(p):
+            e0, e1 = twophase_chunk(n, p, comp.block, r)
+            acc = decoded[0][e0:e1].copy()
+            for v in decoded[1:]:
+                acc += v[e0:e1]
+            if divisor != 1.0:
+                acc = acc / np.float32(divisor)
+            if ef:
+                if self.es[r] is None:
+                    self.es[r] = np.zeros(e1 - e0, np.float32)
+                acc = acc + self.es[r]
+            vs = roundtrip(comp, acc, ctx)
+            if ef:
+                self.es[r] = (acc - vs).astype(np.float32)
+            out[e0:e1] = vs
+        return out
+
+
+@pytest.mark.parametrize("average", [True, False])
+@pytest.mark.parametrize("name,opts", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
+def test_matches_reference_bit_exactly_and_ranks_agree(world, name, opts, average):
+    p = world.size
+    pipe = gradfuse.Pipeline(compress=name, fusion_threshold=ONE_BUCKET, average=average, **opts)
+    comp = create(name, **opts)
+    algorithm = comp.algorithm_for(0, p) if name == "1bit" else "allgather"
+    ref = Reference(comp, p)
+    for step in range(3):
+        g = grads_for(world.rank, step)
+        everyone = [np.concatenate(list(grads_for(r, step).values())) for r in range(p)]
+        expected = ref.step(everyone, step, float(p) if average else 1.0, algorithm)
+        out = pipe.allreduce(g)
+        got = np.concatenate(list(out.values()))
+        assert bits(got) == bits(expected), (name, opts, step)
+        assert len(set(world.allgather(bits(got)))) == 1
+    sd = pipe.state_dict()
+    if comp.error_feedback:
+        (residual,) = [b["residual"] for b in sd["buckets"].values()]
+        assert bits(residual) == bits(ref.e[world.rank])
+        if algorithm == "twophase":
+            (server,) = [b["server_residual"] for b in sd["buckets"].values()]
+            assert bits(server) == bits(ref.es[world.rank])
+    assert sd["step"] == 3
+    assert pipe.stats.bytes_sent > 0
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+@pytest.mark.parametrize("predivide", [False, True])
+def test_cast_compressors_sum_in_float32_rounded_once(world, name, predivide):
+    p = world.size
+    g = grads_for(world.rank, 0)
+    pipe = gradfuse.Pipeline(compress=name, predivide=predivide, fusion_threshold=256)
+    out = pipe.allreduce(g)
+    comp = create(name)
+    to16 = lambda x: np.asarray(payload_16(comp, x))          # noqa: E731
+    for k in g:
+        terms = []
+        for r in range(p):
+            x = grads_for(r, 0)[k]
+            if predivide:
+                x = (x / np.float32(p)).astype(np.float32)
+            terms.append(to16(x))
+        acc = terms[0]
+        for t in terms[1:]:
+            acc = to16(from16(comp, acc) + from16(comp, t))
+        res = from16(comp, acc)
+        if not predivide:
+            res = (res / np.float32(p)).astype(np.float32)
+        if p == 2:
+            assert bits(out[k]) == bits(res), k
+        else:   # the MPI library may add the 3 terms in another order
+            np.testing.assert_allclose(out[k], res, rtol=2e-2 if name == "bf16" else 2e-3, atol=1e-2)
+
+
+def payload_16(comp, x):
+    pl = payload_arrays(comp, x.size)
+    comp.compress(np.ascontiguousarray(x, np.float32), pl, BucketContext())
+    return pl[0]
+
+
+def from16(comp, h):
+    return comp.decompress([h], h.size, BucketContext())
+
+
+def test_fp16_overflow_is_reported_never_silent(world):
+    p = world.size
+    pipe = gradfuse.Pipeline(compress="fp16")
+    x = {"big": np.full(4, 60000.0, np.float32)}       # fits fp16, the sum of p >= 2 does not
+    with pytest.raises(NonFiniteError, match="overflowed fp16"):
+        pipe.allreduce(x)
+    assert pipe.stats.bytes_reduced == 0 and pipe.stats.nonfinite_steps == 1
+    ok = gradfuse.Pipeline(compress="fp16", predivide=True).allreduce(x)     # p * (60000/p) fits
+    np.testing.assert_allclose(ok["big"], 60000.0, rtol=1e-3)
+    tiny = gradfuse.Pipeline(compress="fp16")
+    tiny.allreduce({"t": np.full(5, 1e-8, np.float32)})
+    assert tiny.stats.cast_underflow == 5
+
+
+@pytest.mark.parametrize("name", ["1bit", "2bit", "topk", "randomk", "fp16", "bf16"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_raises_everywhere_and_keeps_residuals(world, name, bad):
+    pipe = gradfuse.Pipeline(compress=name, fusion_threshold=512)
+    g = grads_for(world.rank, 0)
+    pipe.allreduce(g)
+    before = pipe.state_dict()
+    sent_before = pipe.stats.bytes_reduced
+    g2 = grads_for(world.rank, 1)
+    if world.rank == world.size - 1:
+        g2["t2"][17] = bad
+    out = {k: np.full_like(v, 123.0) for k, v in g2.items()}
+    with pytest.raises(NonFiniteError) as info:
+        pipe.allreduce(g2, out=out)
+    msgs = world.allgather(str(info.value))
+    assert len(set(msgs)) == 1, msgs
+    assert "no result was written" in msgs[0] and "'t2'" in msgs[0]
+    if name not in ("fp16", "bf16"):
+        assert f"rank(s) {world.size - 1}" in msgs[0]
+    assert all((v == 123.0).all() for v in out.values())       # nothing written
+    after = pipe.state_dict()
+    assert after["step"] == before["step"]
+    for key, b in before["buckets"].items():
+        assert bits(after["buckets"][key]["residual"]) == bits(b["residual"])
+        assert np.isfinite(after["buckets"][key]["residual"]).all()
+    assert pipe.stats.bytes_reduced == sent_before
+    pipe.allreduce(grads_for(world.rank, 2))                   # and the next step works
+
+
+@pytest.mark.parametrize("name,opts", [("1bit", {"algorithm": "twophase", "block_size": 32}),
+                                       ("randomk", {"ratio": 0.1}), ("2bit", {})])
+def test_checkpoint_restore_is_bit_exact(world, name, opts, tmp_path_factory):
+    path = f"/tmp/gradfuse-test-ckpt-{world.rank}-{name}.npz"
+    a = gradfuse.Pipeline(compress=name, fusion_threshold=512, **opts)
+    for step in range(2):
+        a.allreduce(grads_for(world.rank, step))
+    a.save_state(path)
+    tail_a = [a.allreduce(grads_for(world.rank, step)) for step in range(2, 5)]
+    b = gradfuse.Pipeline(compress=name, fusion_threshold=512, **opts)
+    assert b.load_state(path)
+    tail_b = [b.allreduce(grads_for(world.rank, step)) for step in range(2, 5)]
+    for x, y in zip(tail_a, tail_b):
+        for k in x:
+            assert bits(x[k]) == bits(y[k])
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa["step"] == sb["step"] == 5
+    for key in sa["buckets"]:
+        assert bits(sa["buckets"][key]["residual"]) == bits(sb["buckets"][key]["residual"])
+        assert bits(sa["buckets"][key]["server_residual"]) == bits(sb["buckets"][key]["server_residual"])
+
+
+def test_restore_onto_other_world_size_or_layout_resets_with_warning(world):
+    a = gradfuse.Pipeline(compress="1bit", fusion_threshold=512)
+    a.allreduce(grads_for(world.rank, 0))
+    sd = a.state_dict()
+    other = dict(sd, world_size=world.size + 1)
+    b = gradfuse.Pipeline(compress="1bit", fusion_threshold=512)
+    with pytest.warns(RuntimeWarning, match="saved on"):
+        assert not b.load_state_dict(other)
+    assert b.state_dict()["buckets"] == {} and b.state_dict()["step"] == 0
+    c = gradfuse.Pipeline(compress="1bit", fusion_threshold=512)
+    assert c.load_state_dict(sd)
+    with pytest.warns(RuntimeWarning, match="bucket layout that is not in use"):
+        c.allreduce(grads_for(world.rank, 1, sizes=(5, 6)))       # different tensors
+    assert len(c.state_dict()["buckets"]) == 1        # only the new layout's bucket remains
+    d = gradfuse.Pipeline(compress="1bit", fusion_threshold=512, block_size=64)
+    with pytest.warns(RuntimeWarning, match="saved with compressor"):
+        assert not d.load_state_dict(sd)
+
+
+def test_warmup_runs_uncompressed_first(world):
+    pipe = gradfuse.Pipeline(compress="1bit", warmup_steps=2)
+    plain = gradfuse.Pipeline()
+    for step in range(3):
+        g = grads_for(world.rank, step)
+        got, want = pipe.allreduce(g), plain.allreduce(g)
+        same = all(bits(got[k]) == bits(want[k]) for k in g)
+        assert same == (step < 2), step
+    assert pipe.state_dict()["step"] == 3
+
+
+def test_compressor_options_must_agree(world):
+    ratio = 0.01 if world.rank == 0 else 0.02
+    with pytest.raises(ValueError, match="option 'compress': rank 0 sent"):
+        gradfuse.Pipeline(compress="topk", ratio=ratio).allreduce(grads_for(world.rank, 0))
+
+
+def test_other_dtypes_pass_uncompressed(world):
+    pipe = gradfuse.Pipeline(compress="1bit", average=False)
+    g = {"w": np.ones(70, np.float32), "d": np.full(3, world.rank, np.float64), "h": np.ones(2, np.float16)}
+    out = pipe.allreduce(g)
+    assert out["d"].tolist() == [float(sum(range(world.size)))] * 3
+    assert out["h"].tolist() == [world.size] * 2
+    np.testing.assert_allclose(out["w"], world.size)     # 1-bit of a constant is exact
+
+
+def test_algorithm_choice_is_recorded(world):
+    pipe = gradfuse.Pipeline(compress="1bit")
+    pipe.allreduce({"big": np.ones(1 << 16, np.float32), "small": np.ones(100, np.float32)})
+    algos = sorted(b["algorithm"] for b in pipe.state_dict()["buckets"].values())
+    expect = "twophase" if world.size >= 3 else "allgather"
+    assert expect in algos
+    assert pipe.get_config()["algorithm"] == "auto"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gradfuse.Pipeline(**pipe.get_config())

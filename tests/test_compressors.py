@@ -1,0 +1,136 @@
+"""Compressor framework on one process: registry, options, fused kernels == reference path."""
+import numpy as np
+import pytest
+
+import gradfuse
+from gradfuse import compressors
+from gradfuse.comm import SingleProcessCommunicator
+from gradfuse.compressors import Compressor, create
+
+LOSSY = [("fp16", {}), ("bf16", {}), ("1bit", {"block_size": 64}), ("2bit", {"threshold": 0.2}),
+         ("topk", {"ratio": 0.1}), ("randomk", {"ratio": 0.1, "seed": 3}),
+         ("fp16", {"error_feedback": True}), ("1bit", {"error_feedback": False})]
+
+
+def grads(step, sizes=(33, 1, 0, 200, 7, 129)):
+    rng = np.random.default_rng(step)
+    return {f"t{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(sizes)}
+
+
+def reference_path(name, **opts):
+    """The same compressor with its fused kernels switched off: the plain methods + wrapper."""
+    cls = type(create(name, **opts))
+
+    class Plain(cls):
+        def compress_table(self, *a, **k):
+            return None
+
+        def decompress_sum_table(self, *a, **k):
+            return False
+
+        def pack(self, table, payload, prescale=1.0):
+            from gradfuse import _core
+            src, off, cnt, lo, hi = table
+            n = int(off[hi - 1] + cnt[hi - 1]) if hi > lo else 0
+            g = np.empty(n, np.float32)
+            _core.pack(g.view(np.uint8), src, off * 4, cnt * 4, lo, hi)
+            if prescale != 1.0:
+                g = (g / np.float32(prescale)).astype(np.float32)
+            self.compress(g, [payload], None)
+            return 0, 0
+    return Plain(**opts)
+
+
+@pytest.mark.parametrize("name,opts", LOSSY, ids=[f"{n}-{i}" for i, (n, _) in enumerate(LOSSY)])
+@pytest.mark.parametrize("threshold", [0, 300, 1 << 20])
+def test_fused_kernels_equal_wrapper_plus_compressor(name, opts, threshold):
+    comm = SingleProcessCommunicator()
+    fused = gradfuse.Pipeline(compress=name, comm=comm, fusion_threshold=threshold, **opts)
+    plain = gradfuse.Pipeline(compress=reference_path(name, **opts), comm=comm, fusion_threshold=threshold)
+    for step in range(4):
+        g = grads(step)
+        a, b = fused.allreduce(g), plain.allreduce(g)
+        for k in g:
+            assert a[k].tobytes() == b[k].tobytes(), (name, step, k)
+    sa, sb = fused.state_dict(), plain.state_dict()
+    for key in sa["buckets"]:
+        assert sa["buckets"][key]["residual"].tobytes() == sb["buckets"][key]["residual"].tobytes()
+
+
+def test_one_rank_result_is_decompress_of_compress():
+    comm = SingleProcessCommunicator()
+    g = grads(0)
+    out = gradfuse.Pipeline(compress="1bit", comm=comm, fusion_threshold=1 << 30, block_size=32).allreduce(g)
+    flat = np.concatenate(list(g.values()))
+    for blk in range(0, flat.size, 32):
+        c = flat[blk:blk + 32]
+        s = np.float32(np.abs(c).mean())
+        got = np.concatenate(list(out.values()))[blk:blk + 32]
+        np.testing.assert_allclose(got, np.where(c >= 0, s, -s), rtol=1e-6)
+
+
+def test_registry_and_errors():
+    assert compressors.available() == ["1bit", "2bit", "bf16", "fp16", "none", "randomk", "topk"]
+    with pytest.raises(ValueError, match="unknown compressor '3bit'; valid names: 1bit, 2bit"):
+        create("3bit")
+    with pytest.raises(TypeError, match="compressor '1bit': unknown option.*blocksize.*valid options: "
+                                        "algorithm, block_size, error_feedback, warmup_steps"):
+        create("1bit", blocksize=64)
+    with pytest.raises(ValueError, match="'block_size' must be a multiple of 32"):
+        create("1bit", block_size=48)
+    with pytest.raises(ValueError, match="'algorithm' must be one of auto, allgather, twophase"):
+        create("1bit", algorithm="ring")
+    with pytest.raises(ValueError, match="'ratio' must be a number in"):
+        create("topk", ratio=0)
+    with pytest.raises(ValueError, match="'threshold' must be a finite number > 0"):
+        create("2bit", threshold=-1)
+    with pytest.raises(TypeError, match="'error_feedback' must be True or False"):
+        create("2bit", error_feedback="yes")
+    with pytest.raises(ValueError, match="warmup_steps"):
+        create("2bit", warmup_steps=-1)
+    with pytest.raises(TypeError, match="takes no options"):
+        create("none", ratio=1)
+
+
+@pytest.mark.parametrize("name,opts", LOSSY)
+def test_config_round_trips(name, opts):
+    comm = SingleProcessCommunicator()
+    p = gradfuse.Pipeline(compress=name, comm=comm, **opts)
+    cfg = p.get_config()
+    again = gradfuse.Pipeline(comm=comm, **cfg)
+    assert again.get_config() == cfg
+    assert create(p.compressor.get_config()).get_config() == p.compressor.get_config()
+    assert repr(p.compressor).startswith(type(p.compressor).__name__)
+
+
+class SignSGD(Compressor):
+    """A user compressor written in plain numpy: one byte per sign (GRACE-style)."""
+
+    name = "signsgd"
+    error_feedback_default = True
+
+    def payload_layout(self, n):
+        return [(np.dtype(np.int8), n)]
+
+    def compress(self, c, payloads, ctx):
+        payloads[0][...] = np.where(c >= 0, 1, -1)
+
+    def decompress(self, payloads, n, ctx):
+        return payloads[0].astype(np.float32)
+
+
+def test_user_compressor_through_the_pipeline():
+    gradfuse.register_compressor("signsgd", SignSGD)
+    try:
+        comm = SingleProcessCommunicator()
+        pipe = gradfuse.Pipeline(compress="signsgd", comm=comm)
+        g = {"w": np.array([0.5, -2.0, 0.0], np.float32)}
+        assert pipe.allreduce(g)["w"].tolist() == [1.0, -1.0, 1.0]
+        # error feedback: residual c - sign(c) carried into the next step
+        assert pipe.allreduce(g)["w"].tolist() == [1.0, -1.0, -1.0]
+        (res,) = [b["residual"] for b in pipe.state_dict()["buckets"].values()]
+        np.testing.assert_array_equal(res, [-1.0, -2.0, 0.0])   # c=[0,-3,-1], sign=[1,-1,-1]
+    finally:
+        compressors._REGISTRY.pop("signsgd", None)
+    with pytest.raises(TypeError, match="not a gradfuse.compressors.Compressor subclass"):
+        gradfuse.register_compressor("bad", dict)

@@ -1,0 +1,442 @@
+"""Top-k / random-k kernels vs the numpy reference (tests/ref_sparse.py), bit for bit,
+on both the scalar and the AVX2 code paths."""
+import numpy as np
+import pytest
+
+import gradfuse._core as core
+import ref_sparse as ref
+
+SIZES = [0, 1, 7, 31, 32, 33, 97, 1009, 65537]
+SPECIALS = np.array([65504, 65520, 1e5, 6e-8, 1e-8, 1e-40, -1e-45, 0.0, -0.0, 3.4e38,
+                     -65504, -6e-8, 1.0, -1.0], dtype=np.float32)
+
+
+@pytest.fixture(params=[True, False], ids=["scalar", "simd"])
+def dpath(request):
+    """Scalar or AVX2 path (decompress has no selection)."""
+    if not request.param and not core.simd_info()["cpu_avx2_f16c"]:
+        pytest.skip("no AVX2 on this CPU")
+    core.set_simd(force_scalar=request.param)
+    yield request.param
+    core.set_simd(force_scalar=False)
+
+
+@pytest.fixture(params=[(True, 0), (False, 0), (False, 1), (True, 2)],
+                ids=["scalar", "simd", "simd-nocand", "scalar-nospec"])
+def path(request):
+    """Code path: scalar or AVX2; and the selection's strategy: automatic (0), without
+    candidate buffers (1), without random-k's speculative first-pass scan (2)."""
+    scalar, mode = request.param
+    if not scalar and not core.simd_info()["cpu_avx2_f16c"]:
+        pytest.skip("no AVX2 on this CPU")
+    core.set_simd(force_scalar=scalar)
+    core._sparse_select_mode(mode)
+    yield request.param
+    core.set_simd(force_scalar=False)
+    core._sparse_select_mode(0)
+
+
+def bits(a):
+    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+
+
+def assert_same(a, b):
+    a = np.asarray(a)
+    b = np.asarray(b)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    if a.dtype == np.float32:
+        np.testing.assert_array_equal(bits(a), bits(b))
+    else:
+        np.testing.assert_array_equal(a, b)
+
+
+def make_data(n, kind, seed):
+    rng = np.random.default_rng(seed)
+    if kind == "normal":
+        return rng.standard_normal(n).astype(np.float32)
+    if kind == "zeros":
+        return np.zeros(n, np.float32)
+    if kind == "ties":      # few distinct magnitudes, both signs: ties everywhere
+        return (rng.integers(-3, 4, n) * np.float32(0.5)).astype(np.float32)
+    if kind == "special":
+        x = rng.standard_normal(n).astype(np.float32) * np.float32(1e3)
+        if n:
+            pos = rng.integers(0, n, max(1, n // 4))
+            x[pos] = rng.choice(SPECIALS, len(pos))
+        return x
+    if kind == "binclash":  # same top 16 bits, different low bits: exercises level 2
+        base = np.float32(1.5).view(np.uint32) & np.uint32(0xFFFF0000)
+        low = rng.integers(0, 8, n).astype(np.uint32)
+        x = (base | low).view(np.float32)
+        return (x * rng.choice(np.array([-1, 1], np.float32), n)).astype(np.float32)
+    if kind == "nonfinite":
+        x = rng.standard_normal(n).astype(np.float32)
+        if n:
+            x[rng.integers(0, n, max(1, n // 8))] = np.float32("inf")
+            x[rng.integers(0, n, max(1, n // 8))] = np.float32("-inf")
+            x[rng.integers(0, n, max(1, n // 8))] = np.float32("nan")
+            x[rng.integers(0, n, max(1, n // 16))] = np.array([0x7FC00001], np.uint32).view(np.float32)[0]
+        return x
+    raise ValueError(kind)
+
+
+KINDS = ["normal", "zeros", "ties", "special", "binclash", "nonfinite"]
+
+
+def ks_for(n):
+    return sorted({0, min(1, n), n // 100, n // 3, max(n - 1, 0), n})
+
+
+def split_table(x, sizes):
+    """Copies of x cut into tensors of the given sizes (the last takes the rest)."""
+    parts, pos = [], 0
+    for s in sizes:
+        parts.append(x[pos:pos + s].copy())
+        pos += s
+    parts.append(x[pos:].copy())
+    ptrs = np.array([p.ctypes.data for p in parts], np.int64)
+    counts = np.array([len(p) for p in parts], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    return parts, ptrs, offsets, counts
+
+
+# ---------------------------------------------------------------------------- top-k
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kind", KINDS)
+def test_topk_array(path, n, kind):
+    g = make_data(n, kind, 1000 + n)
+    e = make_data(n, "normal", 2000 + n) * np.float32(0.01)
+    for k in ks_for(n):
+        for with_e in (True, False):
+            ein = e.copy() if with_e else np.zeros(0, np.float32)
+            eout = np.full(n if with_e else 0, 7.0, np.float32)
+            vals = np.full(k, -1.0, np.float32)
+            idx = np.zeros(k, np.uint32)
+            ein_before = ein.copy()
+            bad = core.topk_compress_array(g, ein, eout, k, vals, idx)
+            rv, ri, re, rbad = ref.topk(g, ein if with_e else None, k)
+            assert_same(idx, ri)
+            assert_same(vals, rv)
+            assert bad == rbad
+            if with_e:
+                assert_same(eout, re)
+                assert_same(ein, ein_before)      # e_in untouched when e_out differs
+            assert np.all(np.diff(idx.astype(np.int64)) > 0)
+
+
+def test_topk_inplace_residual(path):
+    n = 1009
+    g = make_data(n, "special", 5)
+    e = make_data(n, "normal", 6)
+    for k in (0, 10, 500, n):
+        e_alias = e.copy()
+        vals = np.zeros(k, np.float32)
+        idx = np.zeros(k, np.uint32)
+        core.topk_compress_array(g, e_alias, e_alias, k, vals, idx)
+        rv, ri, re, _ = ref.topk(g, e, k)
+        assert_same(idx, ri)
+        assert_same(vals, rv)
+        assert_same(e_alias, re)
+
+
+def test_topk_ties_lower_index_first(path):
+    g = np.array([1, -2, 2, 0, -2, 2, 1], np.float32)
+    vals = np.zeros(3, np.float32)
+    idx = np.zeros(3, np.uint32)
+    core.topk_compress_array(g, np.zeros(0, np.float32), np.zeros(0, np.float32), 3, vals, idx)
+    assert idx.tolist() == [1, 2, 4]
+    assert vals.tolist() == [-2, 2, -2]
+    # -0.0 and +0.0 tie: lower index wins
+    g = np.array([0.0, -0.0, 0.0, -0.0], np.float32)
+    vals = np.zeros(2, np.float32)
+    idx = np.zeros(2, np.uint32)
+    core.topk_compress_array(g[::-1].copy(), np.zeros(0, np.float32), np.zeros(0, np.float32), 2, vals, idx)
+    assert idx.tolist() == [0, 1]
+    assert bits(vals).tolist() == [0x80000000, 0]
+
+
+def test_topk_nan_above_inf(path):
+    g = np.array([1.0, np.inf, np.nan, -np.inf, 5.0], np.float32)
+    vals = np.zeros(2, np.float32)
+    idx = np.zeros(2, np.uint32)
+    bad = core.topk_compress_array(g, np.zeros(0, np.float32), np.zeros(0, np.float32), 2, vals, idx)
+    assert bad == 3
+    assert idx.tolist() == [1, 2]
+
+
+def test_topk_large_threshold_in_dense_bin(path):
+    # 300k elements, 95% of them in one level-1 bin: level 2 and ties decide
+    rng = np.random.default_rng(77)
+    n = 300_000
+    g = make_data(n, "binclash", 8)
+    g[rng.integers(0, n, 15_000)] = rng.standard_normal(15_000).astype(np.float32) * 10
+    e = make_data(n, "normal", 9) * np.float32(1e-3)
+    for k in (3000, 20_000, 150_000):
+        vals = np.zeros(k, np.float32)
+        idx = np.zeros(k, np.uint32)
+        eout = np.zeros(n, np.float32)
+        bad = core.topk_compress_array(g, e, eout, k, vals, idx)
+        rv, ri, re, rbad = ref.topk(g, e, k)
+        assert_same(idx, ri)
+        assert_same(vals, rv)
+        assert_same(eout, re)
+        assert bad == rbad == 0
+
+
+TABLE_CUTS = [[0, 3, 0, 0, 31, 1, 5], [7], [0], [33, 0, 64, 2]]
+
+
+@pytest.mark.parametrize("cuts", TABLE_CUTS)
+@pytest.mark.parametrize("kind", ["normal", "ties", "special", "nonfinite"])
+def test_topk_table(path, cuts, kind):
+    n = 1009
+    x = make_data(n, kind, 31)
+    e = make_data(n, "normal", 32)
+    parts, ptrs, offsets, counts = split_table(x, cuts)
+    # the table as rows 2..: pad two foreign rows in front to test lo/hi
+    ptrs = np.concatenate([[123, 456], ptrs]).astype(np.int64)
+    offsets = np.concatenate([[0, 99], offsets]).astype(np.int64)
+    counts = np.concatenate([[99, 1], counts]).astype(np.int64)
+    lo, hi = 2, len(ptrs)
+    for k in (0, 1, 10, 337, n):
+        for with_e in (True, False):
+            ein = e.copy() if with_e else np.zeros(0, np.float32)
+            eout = np.zeros(n if with_e else 0, np.float32)
+            vals = np.zeros(k, np.float32)
+            idx = np.zeros(k, np.uint32)
+            bad = core.topk_compress(ptrs, offsets, counts, lo, hi, ein, eout, k, vals, idx)
+            rv, ri, re, rbad = ref.topk(x, ein if with_e else None, k)
+            assert_same(idx, ri)
+            assert_same(vals, rv)
+            assert bad == rbad
+            if with_e:
+                assert_same(eout, re)
+    for p, orig in zip(parts, np.split(x, np.cumsum(counts[2:])[:-1])):
+        assert_same(p, orig)                          # gradients untouched
+
+
+def test_topk_empty_table(path):
+    z = np.zeros(0, np.float32)
+    e64 = np.zeros(0, np.int64)
+    assert core.topk_compress(e64, e64, e64, 0, 0, z, z, 0, z, np.zeros(0, np.uint32)) == 0
+    assert core.randomk_compress(e64, e64, e64, 0, 0, z, z, 5, 0, z, np.zeros(0, np.uint32)) == 0
+
+
+# ---------------------------------------------------------------------------- random-k
+
+SEEDS = [0, 1, 12345, 2**63, 2**64 - 1, 2**64 - 5]
+
+
+@pytest.mark.parametrize("n", SIZES + [300_000])
+def test_randomk_indices(path, n):
+    for seed in SEEDS if n < 100_000 else SEEDS[:2] + SEEDS[-1:]:
+        order = np.argsort(ref.randomk_hash(seed, n), kind="stable")   # ref.randomk_indices, all k at once
+        for k in ks_for(n):
+            out = np.zeros(k, np.uint32)
+            core.randomk_indices(seed, n, k, out)
+            assert_same(out, np.sort(order[:k]).astype(np.uint32))
+    if n == 1009:
+        assert_same(out, ref.randomk_indices(SEEDS[-1], n, k))
+
+
+def test_randomk_hash_known_values():
+    # splitmix64 with state 0: the first output is 0xe220a8397b1dcdaf (reference sequence)
+    assert ref.randomk_hash(0, 1)[0] == 0xE220A839
+    # seed + i wraps around 2**64
+    assert ref.randomk_hash(2**64 - 1, 2)[1] == ref.randomk_hash(0, 1)[0]
+
+
+def test_randomk_indices_differ_by_seed():
+    a = np.zeros(100, np.uint32)
+    b = np.zeros(100, np.uint32)
+    core.randomk_indices(1, 10_000, 100, a)
+    core.randomk_indices(2, 10_000, 100, b)
+    assert not np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("kind", ["normal", "special", "nonfinite", "zeros"])
+def test_randomk_array(path, n, kind):
+    g = make_data(n, kind, 300 + n)
+    e = make_data(n, "normal", 400 + n)
+    for k in ks_for(n):
+        for with_e in (True, False):
+            seed = 99 + k
+            ein = e.copy() if with_e else np.zeros(0, np.float32)
+            eout = np.full(n if with_e else 0, 3.0, np.float32)
+            vals = np.zeros(k, np.float32)
+            idx = np.zeros(k, np.uint32)
+            bad = core.randomk_compress_array(g, ein, eout, seed, k, vals, idx)
+            rv, ri, re, rbad = ref.randomk(g, ein if with_e else None, seed, k)
+            assert_same(idx, ri)
+            assert_same(vals, rv)
+            assert bad == rbad
+            if with_e:
+                assert_same(eout, re)
+                assert_same(ein, e)
+
+
+@pytest.mark.parametrize("cuts", TABLE_CUTS)
+def test_randomk_table(path, cuts):
+    n = 1009
+    x = make_data(n, "special", 41)
+    e = make_data(n, "normal", 42)
+    parts, ptrs, offsets, counts = split_table(x, cuts)
+    for k in (0, 1, 10, 500, n):
+        ealias = e.copy()
+        vals = np.zeros(k, np.float32)
+        idx = np.zeros(k, np.uint32)
+        bad = core.randomk_compress(ptrs, offsets, counts, 0, len(ptrs), ealias, ealias, 7, k, vals, idx)
+        rv, ri, re, rbad = ref.randomk(x, e, 7, k)
+        assert_same(idx, ri)
+        assert_same(vals, rv)
+        assert_same(ealias, re)
+        assert bad == rbad
+        vals2 = np.zeros(k, np.float32)
+        z = np.zeros(0, np.float32)
+        core.randomk_compress(ptrs, offsets, counts, 0, len(ptrs), z, z, 7, k, vals2, idx)
+        assert_same(vals2, x[ri])
+
+
+# ---------------------------------------------------------------------------- decompress
+
+def payloads(n, p, k, seed, same_rows=False, kind="special"):
+    vals = np.stack([make_data(k, kind, seed + r) for r in range(p)]) if p else np.zeros((0, k), np.float32)
+    rng = np.random.default_rng(seed)
+    if same_rows:
+        idx = np.tile(np.sort(rng.permutation(n)[:k]), (p, 1))
+    else:
+        idx = np.stack([np.sort(rng.permutation(n)[:k]) for r in range(p)]) if p else np.zeros((0, k))
+    return np.ascontiguousarray(vals, np.float32), np.ascontiguousarray(idx, np.uint32)
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("divisor", [1.0, 3.0, -2.0, 0.1])
+def test_decompress_array(dpath, n, divisor):
+    for p in (0, 1, 2, 5):
+        for k in ks_for(n):
+            for same in (False, True):
+                vals, idx = payloads(n, p, k, 10 * n + p + k, same)
+                out = np.full(n, 9.0, np.float32)
+                core.sparse_decompress_sum_array(vals, idx, out, divisor)
+                assert_same(out, ref.decompress_sum(vals, idx, n, divisor))
+
+
+def test_decompress_sum_order_and_zero(dpath):
+    # rank order matters in float32: (1e8 + 1) - 1e8 = 0, but 1e8 + (1 - 1e8) = 1 ...
+    vals = np.array([[1e8], [1.0], [-1e8]], np.float32)
+    idx = np.array([[2], [2], [2]], np.uint32)
+    out = np.zeros(4, np.float32)
+    core.sparse_decompress_sum_array(vals, idx, out, 1.0)
+    assert out.tolist() == [0, 0, 0, 0]           # ((0 + 1e8) + 1) - 1e8 == 0 in float32
+    vals = np.array([[-0.0], [-0.0]], np.float32)
+    idx = np.array([[1], [1]], np.uint32)
+    core.sparse_decompress_sum_array(vals, idx, out, 1.0)
+    assert bits(out).tolist() == [0, 0, 0, 0]     # 0.0f + -0.0f == +0.0f
+    core.sparse_decompress_sum_array(vals, idx, out, -4.0)
+    assert bits(out).tolist() == [0x80000000] * 4  # 0/-4 = -0 everywhere
+    # duplicates inside one row are added in m order
+    vals = np.array([[1.0, 2.0, 3.0]], np.float32)
+    idx = np.array([[0, 0, 3]], np.uint32)
+    core.sparse_decompress_sum_array(vals, idx, out, 1.0)
+    assert out.tolist() == [3, 0, 0, 3]
+
+
+@pytest.mark.parametrize("cuts", TABLE_CUTS + [[0, 0, 1009]])
+@pytest.mark.parametrize("divisor", [1.0, 3.0])
+def test_decompress_table(dpath, cuts, divisor):
+    n = 1009
+    for p in (1, 3):
+        for k in (0, 1, 100, n):
+            for same in (False, True):
+                vals, idx = payloads(n, p, k, p + k, same)
+                parts, ptrs, offsets, counts = split_table(np.full(n, 5.0, np.float32), cuts)
+                core.sparse_decompress_sum(vals, idx, ptrs, offsets, counts, 0, len(ptrs), divisor)
+                got = np.concatenate(parts)
+                assert_same(got, ref.decompress_sum(vals, idx, n, divisor))
+
+
+def test_decompress_table_unsorted_indices(dpath):
+    n = 1009
+    rng = np.random.default_rng(3)
+    idx = np.stack([rng.permutation(n)[:200] for _ in range(3)]).astype(np.uint32)
+    vals = rng.standard_normal((3, 200)).astype(np.float32)
+    parts, ptrs, offsets, counts = split_table(np.zeros(n, np.float32), [0, 3, 0, 0, 31, 1, 5])
+    core.sparse_decompress_sum(vals, idx, ptrs, offsets, counts, 0, len(ptrs), 2.0)
+    assert_same(np.concatenate(parts), ref.decompress_sum(vals, idx, n, 2.0))
+
+
+def test_decompress_bad_index_raises_and_writes_nothing():
+    vals = np.ones((2, 3), np.float32)
+    idx = np.array([[0, 1, 2], [0, 5, 1]], np.uint32)
+    out = np.full(5, 7.0, np.float32)
+    with pytest.raises(ValueError, match=r"index 5 at indices\[1, 1\]"):
+        core.sparse_decompress_sum_array(vals, idx, out, 1.0)
+    assert out.tolist() == [7.0] * 5
+    parts, ptrs, offsets, counts = split_table(np.full(5, 7.0, np.float32), [2])
+    with pytest.raises(ValueError, match="index 5"):
+        core.sparse_decompress_sum(vals, idx, ptrs, offsets, counts, 0, len(ptrs), 1.0)
+    assert np.concatenate(parts).tolist() == [7.0] * 5
+    with pytest.raises(ValueError, match="shape"):
+        core.sparse_decompress_sum_array(vals, idx[:, :2].copy(), out, 1.0)
+
+
+# ---------------------------------------------------------------------------- validation
+
+def test_validation_errors():
+    z = np.zeros(0, np.float32)
+    g = np.ones(10, np.float32)
+    v = np.zeros(3, np.float32)
+    i = np.zeros(3, np.uint32)
+    with pytest.raises(ValueError, match="k = 11"):
+        core.topk_compress_array(g, z, z, 11, np.zeros(11, np.float32), np.zeros(11, np.uint32))
+    with pytest.raises(ValueError, match="k = -1"):
+        core.topk_compress_array(g, z, z, -1, v, i)
+    with pytest.raises(ValueError, match="e_in/e_out"):
+        core.topk_compress_array(g, np.zeros(10, np.float32), z, 3, v, i)
+    with pytest.raises(ValueError, match="e_in/e_out"):
+        core.randomk_compress_array(g, np.zeros(9, np.float32), np.zeros(9, np.float32), 1, 3, v, i)
+    with pytest.raises(ValueError, match="values"):
+        core.topk_compress_array(g, z, z, 4, v, np.zeros(4, np.uint32))
+    with pytest.raises(ValueError, match="indices"):
+        core.randomk_compress_array(g, z, z, 0, 3, v, np.zeros(4, np.uint32))
+    with pytest.raises(ValueError, match="k = 3"):
+        core.randomk_indices(0, 2, 3, i)
+    with pytest.raises(ValueError, match="out has"):
+        core.randomk_indices(0, 10, 2, i)
+    with pytest.raises(ValueError, match="n = -1"):
+        core.randomk_indices(0, -1, 0, np.zeros(0, np.uint32))
+    with pytest.raises(ValueError, match="4294967295"):
+        core.randomk_indices(0, 2**32, 0, np.zeros(0, np.uint32))
+    # a bucket of 2**32 elements is refused before any pointer is touched
+    big = np.array([2**31, 2**31], np.int64)
+    with pytest.raises(ValueError, match="uint32"):
+        core.topk_compress(np.array([8, 8], np.int64), np.array([0, 2**31], np.int64), big, 0, 2,
+                           z, z, 0, z, np.zeros(0, np.uint32))
+    with pytest.raises(ValueError, match="uint32"):
+        core.sparse_decompress_sum(np.zeros((1, 0), np.float32), np.zeros((1, 0), np.uint32),
+                                   np.array([8, 8], np.int64), np.array([0, 2**31], np.int64),
+                                   big, 0, 2, 1.0)
+    # offsets not dense / bad table range
+    with pytest.raises(ValueError, match="dense"):
+        core.topk_compress(np.array([g.ctypes.data, g.ctypes.data], np.int64), np.array([0, 4], np.int64),
+                           np.array([5, 5], np.int64), 0, 2, z, z, 0, z, np.zeros(0, np.uint32))
+    with pytest.raises(ValueError, match="table range"):
+        core.topk_compress(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), 0, 2,
+                           z, z, 0, z, np.zeros(0, np.uint32))
+
+
+def test_topk_table_long_tensor(path):
+    # a tensor longer than the 2**20-element blocks the selection streams the table in
+    n = 2**20 + 37
+    x = make_data(n, "normal", 55)
+    parts, ptrs, offsets, counts = split_table(x, [5, 0])
+    z = np.zeros(0, np.float32)
+    for k in (1000, n // 3):
+        vals = np.zeros(k, np.float32)
+        idx = np.zeros(k, np.uint32)
+        core.topk_compress(ptrs, offsets, counts, 0, len(ptrs), z, z, k, vals, idx)
+        rv, ri, _, _ = ref.topk(x, None, k)
+        assert_same(idx, ri)
+        assert_same(vals, rv)
