@@ -117,8 +117,10 @@ def main(argv=None):
     if rank == 0:
         assert len(set(accs)) == 1, f"ranks disagree on the test accuracy: {accs}"
         print(f"final test accuracy: {acc:.4f}")
-        print(f"bytes communicated by rank 0: {stats.bytes_reduced} reduced in {stats.steps} steps "
-              f"({stats.bytes_reduced / max(stats.steps, 1):.0f} per step, {stats.buckets} buckets)")
+        sent = getattr(stats, "bytes_sent", stats.bytes_reduced)
+        print(f"bytes communicated by rank 0: {sent} sent for {stats.bytes_reduced} gradient bytes "
+              f"reduced in {stats.steps} steps ({sent / max(stats.steps, 1):.0f} sent per step, "
+              f"{stats.bytes_reduced / max(sent, 1):.1f}x compression)")
     hvd.shutdown()
     return 0 if acc >= args.min_accuracy else 1
 
