@@ -162,3 +162,18 @@ def test_distributed_optimizer_pickles_and_delegates():
     assert opt._optimizer.rescale_grad == 0.25
     again = pickle.loads(pickle.dumps(opt))
     assert again.learning_rate == 0.3 and again._optimizer.rescale_grad == 0.25
+
+
+def test_kvstore_string_in_one_process():
+    """MXNet creates the registered store from its name; on one rank pushpull is the identity."""
+    net = gluon.nn.Dense(2, in_units=3)
+    net.initialize(mx.init.Constant(0.5))
+    tr = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore="dist_gradfuse")
+    x = mx.nd.array([[1.0, 2.0, 3.0]])
+    with autograd.record():
+        loss = net(x).sum()
+    loss.backward()
+    tr.step(1)
+    assert isinstance(tr._kvstore, hvd.KVStore) and tr._kvstore.type == "dist_gradfuse"
+    np.testing.assert_allclose(net.weight.data().asnumpy(), 0.5 - 0.1 * np.array([[1, 2, 3]] * 2))
+    assert isinstance(mx.kv.create("dist_gradfuse"), hvd.KVStore)
