@@ -31,15 +31,15 @@ def test_digits_example_learns_and_reports_bytes():
     acc = float(re.search(r"final test accuracy: ([0-9.]+)", out).group(1))
     assert acc >= 0.9, out
     assert re.search(r"epoch 4/4: loss [0-9.]+, train accuracy", out), out
-    sent, reduced = map(int, re.search(r"bytes communicated by rank 0: (\d+) sent for (\d+) gradient "
+    sent, reduced = map(int, re.search(r"bytes communicated by rank 0: (\d+) sent \(estimate\) for (\d+) gradient "
                                        r"bytes reduced", out).groups())
-    assert sent == reduced > 0          # compress none: every gradient byte is sent
+    assert sent == reduced > 0          # compress none, 2 ranks: 2 (p-1)/p of the bytes
 
 
 def test_digits_example_with_1bit_compression():
     pytest.importorskip("sklearn")
     out = _run(["examples/mxnet_gluon_digits.py", "--epochs", "2", "--compress", "1bit"])
-    sent, reduced = map(int, re.search(r"bytes communicated by rank 0: (\d+) sent for (\d+) gradient "
+    sent, reduced = map(int, re.search(r"bytes communicated by rank 0: (\d+) sent \(estimate\) for (\d+) gradient "
                                        r"bytes reduced", out).groups())
     assert 0 < sent * 8 < reduced       # 1 bit per 32-bit value, plus scales
 
