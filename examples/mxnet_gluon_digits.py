@@ -23,9 +23,11 @@ def parse(argv=None):
     p.add_argument("--compress", default="none",
                    help=f"gradfuse compressor ({', '.join(names)}); hvd-fp16 is Horovod's "
                         f"Compression.fp16 cast")
-    p.add_argument("--epochs", type=int, default=6)
+    p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
-    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--momentum", type=float, default=0.5,
+                   help="0.9 destabilises the lossy compressors with error feedback here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-accuracy", type=float, default=0.0,
                    help="exit with status 1 if the final test accuracy is below this")
@@ -80,7 +82,7 @@ def main(argv=None):
     else:
         kw["compress"] = args.compress
     trainer = hvd.DistributedTrainer(net.collect_params(), "sgd",
-                                     {"learning_rate": args.lr, "momentum": 0.9}, **kw)
+                                     {"learning_rate": args.lr, "momentum": args.momentum}, **kw)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     rng = np.random.default_rng(args.seed + 1)
     steps_per_epoch = len(train) // size // args.batch_size
