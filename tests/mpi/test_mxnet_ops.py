@@ -347,3 +347,12 @@ def test_async_handles(world):
     bad = hvd.allreduce_async(mx.nd.ones((2 + world.rank,)), name="async.bad")
     with pytest.raises(MismatchError):
         bad.wait()
+
+
+def test_in_place_write_waits_for_pending_reads(world):
+    """An MXNet op still reading the array when allreduce_ is called must see the old values."""
+    x = mx.nd.ones((400, 400)) * (world.rank + 1)
+    y = mx.nd.dot(x, x)                       # queued: reads x
+    hvd.allreduce_(x, op=hvd.Sum, name="pending.read")
+    np.testing.assert_allclose(y.asnumpy(), np.full((400, 400), 400.0 * (world.rank + 1) ** 2))
+    np.testing.assert_array_equal(x.asnumpy(), np.full((400, 400), sum(range(1, world.size + 1))))
