@@ -480,12 +480,83 @@ def _group_names(name, n):
     return [str(name)] if n == 1 else [f"{name}.{i}" for i in range(n)]
 
 
+class _DevCtx(ctypes.Structure):
+    _fields_ = [("dev_type", ctypes.c_int), ("dev_id", ctypes.c_int)]
+
+
+class _OnComplete(ctypes.Structure):
+    """mxnet::engine::CallbackOnComplete: a function, the engine, a parameter."""
+    _fields_ = [("fn", ctypes.c_void_p), ("engine", ctypes.c_void_p), ("param", ctypes.c_void_p)]
+
+
+_ENGINE_ASYNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_ENGINE_DONE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
+_fences = {}
+_fence_lock = threading.Lock()
+_fence_ids = iter(range(1, 1 << 62))
+
+
+def _fence_started(rctx, on_complete, param):
+    """MXNet calls this (on an engine thread) once the fenced arrays are free; the
+    op stays in flight until gradfuse's collective has finished."""
+    cb = _OnComplete.from_address(on_complete)
+    saved = (cb.fn, cb.engine, cb.param)
+    with _fence_lock:
+        state = _fences[param]
+        state["cb"] = saved
+        finished = state["finished"]
+        if finished:
+            del _fences[param]
+    if not finished and state["naive"]:
+        state["event"].wait()       # NaiveEngine needs the op complete before it returns
+        with _fence_lock:
+            _fences.pop(param, None)
+        finished = True
+    if finished:
+        _ENGINE_DONE(saved[0])(saved[1], saved[2], None)
+
+
+_FENCE_STARTED = _ENGINE_ASYNC(_fence_started)
+
+
+def _fence(ctx, nds, name):
+    """Tell MXNet's engine that ``nds`` are being written by the collective just submitted
+    to ``ctx``'s communication thread: MXNet operations issued afterwards that use them
+    wait until it has finished (as Horovod's engine ops do)."""
+    key = next(_fence_ids)
+    naive = os.environ.get("MXNET_ENGINE_TYPE", "") == "NaiveEngine"
+    state = {"cb": None, "finished": False, "naive": naive, "event": threading.Event()}
+    with _fence_lock:
+        _fences[key] = state
+
+    def finished():                 # on the communication thread, after the collective
+        with _fence_lock:
+            state["finished"] = True
+            cb = state["cb"]
+            if cb is not None:
+                _fences.pop(key, None)
+        state["event"].set()
+        if cb is not None and not naive:
+            _ENGINE_DONE(cb[0])(cb[1], cb[2], None)
+
+    ctx.engine.submit(finished, f"{name}.fence")     # FIFO: runs after the collective
+    c = nds[0].context
+    dev = _DevCtx(c.device_typeid, c.device_id)
+    check_call(_LIB.MXEnginePushAsyncND(
+        _FENCE_STARTED, ctypes.c_void_p(key), None, ctypes.byref(dev), None, 0,
+        mx.base.c_handle_array(nds), len(nds), None, 0, ctypes.c_char_p(b"gradfuse"),
+        ctypes.c_bool(False)))
+
+
 class AsyncHandle:
     """A collective in flight: ``wait()`` (or ``synchronize(handle)``) returns its result
     once every rank has taken part; ``done()`` (or ``poll(handle)``) never blocks.
 
-    The arrays were read when the call was made (after MXNet finished writing them);
-    do not read or write them, nor the outputs, before ``wait()``.
+    The arrays were read when the call was made (after MXNet finished writing them).
+    The outputs are fenced in MXNet's engine: MXNet operations issued after the call
+    that use them wait until the collective has finished, as with Horovod's engine ops.
+    Only direct memory access (``asnumpy`` goes through the engine and is safe; a numpy
+    view taken by hand is not) must wait for ``wait()``.
     """
 
     __slots__ = ("_handle", "_result")
@@ -516,6 +587,14 @@ def _allreduce_async(tensors, inplace, average, name, prescale_factor, postscale
     return h, outs
 
 
+def _fenced(h, outs, comm):
+    """Fence the NDArray outputs of an async collective in MXNet's engine."""
+    nds = [o for o in outs if isinstance(o, mx.nd.NDArray)]
+    if nds:
+        _fence(_runtime.context(comm), nds, "allreduce")
+    return h
+
+
 def _allreduce(tensors, inplace, average, name, prescale_factor, postscale_factor,
                process_set, op, group):
     with _Span("allreduce", name if name is not None else "allreduce"):
@@ -534,7 +613,7 @@ def allreduce_async(tensor, average=None, name=None, priority=0, prescale_factor
     """
     h, outs = _allreduce_async([tensor], False, average, name, prescale_factor,
                                postscale_factor, process_set, op, False)
-    return AsyncHandle(h, outs[0])
+    return AsyncHandle(_fenced(h, outs, _comm_of(process_set)), outs[0])
 
 
 def allreduce_async_(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
@@ -542,15 +621,15 @@ def allreduce_async_(tensor, average=None, name=None, priority=0, prescale_facto
     """In-place ``allreduce_async``: ``wait()`` returns ``tensor`` holding the result."""
     h, outs = _allreduce_async([tensor], True, average, name, prescale_factor,
                                postscale_factor, process_set, op, False)
-    return AsyncHandle(h, outs[0])
+    return AsyncHandle(_fenced(h, outs, _comm_of(process_set)), outs[0])
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set, op=None):
     """In-place ``grouped_allreduce`` started now; ``wait()`` returns ``tensors``."""
-    h, _ = _allreduce_async(list(tensors), True, average, name, prescale_factor,
-                            postscale_factor, process_set, op, True)
-    return AsyncHandle(h, tensors)
+    h, outs = _allreduce_async(list(tensors), True, average, name, prescale_factor,
+                               postscale_factor, process_set, op, True)
+    return AsyncHandle(_fenced(h, outs, _comm_of(process_set)), tensors)
 
 
 def synchronize(handle):

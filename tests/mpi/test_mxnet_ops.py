@@ -333,8 +333,6 @@ def test_fresh_arrays_with_queued_first_write(world):
 def test_async_handles(world):
     xs = [mx.nd.ones((4,)) * (world.rank + i) for i in range(3)]
     handles = [hvd.allreduce_async_(x, op=hvd.Sum, name=f"async{i}") for i, x in enumerate(xs)]
-    # (xs[0] itself must not be read before its handle is waited for: MXNet does not
-    # know that gradfuse writes it)
     out_h = hvd.allreduce_async(mx.nd.ones((4,)) * 2 * world.rank, name="async.out")
     g = hvd.grouped_allreduce_async_([mx.nd.ones((2,)), mx.nd.ones((3,))], op=hvd.Sum, name="async.g")
     for i, h in enumerate(handles):
@@ -356,3 +354,18 @@ def test_in_place_write_waits_for_pending_reads(world):
     hvd.allreduce_(x, op=hvd.Sum, name="pending.read")
     np.testing.assert_allclose(y.asnumpy(), np.full((400, 400), 400.0 * (world.rank + 1) ** 2))
     np.testing.assert_array_equal(x.asnumpy(), np.full((400, 400), sum(range(1, world.size + 1))))
+
+
+def test_async_outputs_are_fenced_in_mxnet_engine(world):
+    """MXNet ops issued after an async call wait for it (no wait() needed), as with Horovod."""
+    for i in range(50):
+        x = mx.nd.ones((1000,)) * (world.rank + 1)
+        h = hvd.allreduce_async_(x, op=hvd.Sum, name=f"fenced{i}")
+        y = x * 2                              # queued behind the collective
+        total = sum(range(1, world.size + 1))
+        np.testing.assert_array_equal(y.asnumpy(), np.full(1000, 2 * total))
+        assert h.wait() is x
+    outs = [hvd.allreduce_async(mx.nd.ones((10,)) * world.rank, op=hvd.Max, name=f"fo{i}") for i in range(20)]
+    sums = [(o.wait() + 1).asnumpy() for o in outs]
+    for s_ in sums:
+        np.testing.assert_array_equal(s_, np.full(10, world.size))
