@@ -574,8 +574,12 @@ class AsyncHandle:
 
 def _allreduce_async(tensors, inplace, average, name, prescale_factor, postscale_factor,
                      process_set, op, group):
-    op = _resolve_op(op, average)
     comm = _comm_of(process_set)
+    try:
+        op = _resolve_op(op, average)
+    except (ValueError, NotImplementedError) as exc:
+        # raised on every rank, not just here: the others would wait for this rank
+        return _coll.refuse_async("allreduce", exc, comm), list(tensors)
     names = _group_names(name, len(tensors)) if group else (None if name is None else [str(name)])
     if inplace:
         outs = list(tensors)
@@ -804,9 +808,10 @@ def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_proc
 
 
 def _reducescatter(tensors, op, name, process_set, prescale_factor, postscale_factor):
-    if op not in (Average, Sum):
-        raise ValueError(f"reducescatter supports op=Average or Sum, got {op!r}")
     comm = _comm_of(process_set)
+    if op not in (Average, Sum):
+        _wait(_coll.refuse_async("reducescatter", ValueError(
+            f"reducescatter supports op=Average or Sum, got {op!r}"), comm))
     names = _group_names(name, len(tensors))
     views = [_view(t, names[i] if names else f"tensor{i}") for i, t in enumerate(tensors)]
     with _Span("reducescatter", names[0] if names else "reducescatter"):

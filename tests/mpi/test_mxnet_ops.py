@@ -154,6 +154,9 @@ def test_dtype_op_name_and_scale_mismatches(world):
     op = hvd.Sum if world.rank == 0 else hvd.Max
     exc = _raises_everywhere(lambda: hvd.allreduce(mx.nd.ones((2,)), op=op, name="bad.op"), world)
     assert isinstance(exc, MismatchError) and "'op'" in str(exc)
+    bad_op = hvd.Adasum if world.rank == 0 else hvd.Sum
+    _raises_everywhere(lambda: hvd.allreduce(mx.nd.ones((2,)), op=bad_op, name="bad.adasum"), world,
+                       local_type=NotImplementedError, bad_rank=0)
     exc = _raises_everywhere(lambda: hvd.allreduce(mx.nd.ones((2,)), name=f"n{world.rank}"), world)
     assert isinstance(exc, MismatchError) and "'n0'" in str(exc)
     exc = _raises_everywhere(lambda: hvd.allreduce(mx.nd.ones((2,)), name="bad.pre",
