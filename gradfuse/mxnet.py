@@ -442,17 +442,28 @@ def _to_nd(arr, like):
     return out
 
 
+def _mxnet_error(exc):
+    """gradfuse's cross-rank errors as the MXNetError subclasses of this binding."""
+    if isinstance(exc, MXNetError):
+        return exc
+    if isinstance(exc, RemoteInputError):
+        return RemoteInputMXNetError(str(exc))
+    return CollectiveMismatchError(str(exc))
+
+
 def _wait(handle):
     try:
         return handle.wait()
-    except RemoteInputError as exc:
-        if isinstance(exc, MXNetError):
-            raise
-        raise RemoteInputMXNetError(str(exc)) from None
-    except MismatchError as exc:
-        if isinstance(exc, MXNetError):
-            raise
-        raise CollectiveMismatchError(str(exc)) from None
+    except (RemoteInputError, MismatchError) as exc:
+        raise _mxnet_error(exc) from None
+
+
+def _as_mxnet_errors(fn, *args, **kw):
+    """Run a blocking gradfuse collective, raising cross-rank errors as MXNet errors."""
+    try:
+        return fn(*args, **kw)
+    except (RemoteInputError, MismatchError) as exc:
+        raise _mxnet_error(exc) from None
 
 
 def _resolve_op(op, average):
@@ -844,21 +855,15 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     """
     comm = _comm_of(process_set)
     root = _root_in(process_set, root_rank)
-    if isinstance(root, _coll.InvalidInput):
-        raise root.error
-    try:
-        return _coll.broadcast_object(obj, root, name=name, comm=comm)
-    except MismatchError as exc:
-        raise CollectiveMismatchError(str(exc)) from None
+    if isinstance(root, _coll.InvalidInput):      # every rank raises, none waits
+        _wait(_coll.refuse_async("broadcast", root.error, comm))
+    return _as_mxnet_errors(_coll.broadcast_object, obj, root, name=name, comm=comm)
 
 
 def allgather_object(obj, name=None, process_set=global_process_set):
     """Return the list of every rank's ``obj`` in rank order (pickle: trusted peers only)."""
     comm = _comm_of(process_set)
-    try:
-        return _coll.allgather_object(obj, name=name, comm=comm)
-    except MismatchError as exc:
-        raise CollectiveMismatchError(str(exc)) from None
+    return _as_mxnet_errors(_coll.allgather_object, obj, name=name, comm=comm)
 
 
 # --- compression (Horovod's interface) ---------------------------------------------

@@ -267,6 +267,10 @@ def test_objects(world):
     assert everyone[world.rank] == obj
     with pytest.raises(ValueError, match="root_rank"):
         hvd.broadcast_object(obj, root_rank=world.size)
+    bad_root = world.size if world.rank == 0 else 0          # only rank 0 is wrong
+    _raises_everywhere(lambda: hvd.broadcast_object(obj, root_rank=bad_root), world,
+                       local_type=ValueError, bad_rank=0)
+    assert hvd.broadcast_object("after", root_rank=0) == "after"
 
 
 def test_process_sets(world):
