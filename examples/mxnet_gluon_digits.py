@@ -29,6 +29,8 @@ def parse(argv=None):
     p.add_argument("--momentum", type=float, default=0.5,
                    help="0.9 destabilises the lossy compressors with error feedback here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overlap", action="store_true",
+                   help="reduce bucket by bucket as backward writes them (see docs/mxnet.md)")
     p.add_argument("--min-accuracy", type=float, default=0.0,
                    help="exit with status 1 if the final test accuracy is below this")
     args = p.parse_args(argv)
@@ -76,7 +78,7 @@ def main(argv=None):
     net(mx.nd.zeros((1, 1, 8, 8)))                # finish deferred initialisation
     hvd.broadcast_parameters(net.collect_params(), root_rank=0)
 
-    kw = {}
+    kw = {"overlap": args.overlap, "fusion_threshold": 16384 if args.overlap else None}
     if args.compress == "hvd-fp16":
         kw["compression"] = hvd.Compression.fp16
     else:
