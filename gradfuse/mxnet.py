@@ -335,17 +335,22 @@ global_process_set.process_set_id = 0
 def add_process_set(process_set):
     """Register a process set (a ProcessSet or a list of ranks) and return it.
 
-    Collective: every rank of the job must call it, in the same order.
+    Collective: every rank of the job calls it, in the same order. With a list of ranks
+    every rank passes the same list. With ``ProcessSet(mpi4py_comm)`` each rank passes
+    its own sub-communicator (e.g. from ``COMM_WORLD.Split``): every distinct one is
+    registered, in the order of the lowest rank that passed it, and each rank gets the
+    set of its own communicator.
     """
     ctx = _require_init()
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     world = ctx.comm
+    kind = "ranks"
     if process_set.mpi_comm is not None and process_set.ranks is None:
-        from mpi4py import MPI
+        kind = "comm"
         grp = process_set.mpi_comm.Get_group()
-        process_set.ranks = sorted(MPI.Group.Translate_ranks(grp, list(range(grp.Get_size())),
-                                                             world.user_comm.Get_group()))
+        process_set.ranks = sorted(grp.Translate_ranks(list(range(grp.Get_size())),
+                                                       world.user_comm.Get_group()))
     ranks = process_set.ranks
     bad = [r for r in ranks if not 0 <= r < world.size]
     error = None
@@ -353,22 +358,30 @@ def add_process_set(process_set):
         error = ValueError(f"process set {ranks}: ranks {bad} do not exist (size {world.size})")
     elif len(set(ranks)) != len(ranks) or not ranks:
         error = ValueError(f"process set {ranks}: ranks must be distinct and non-empty")
-    elif ranks == global_process_set.ranks or any(p.ranks == ranks for p in _state["sets"].values()):
-        error = ValueError(f"Attempted to add a duplicate process set: {process_set}")
     # agree before splitting, so that a bad or mismatched set raises everywhere
-    opts = [] if error is not None else ranks
-    got = _coll.allgather_object(["error" if error else "ok", opts], name="add_process_set",
-                                 comm=world)
+    got = _coll.allgather_object(["error" if error else "ok", kind, [] if error else ranks],
+                                 name="add_process_set", comm=world)
     if error is not None:
         raise error
-    if any(g != got[0] for g in got):
-        raise CollectiveMismatchError("add_process_set: ranks passed different sets: " +
-                                      ", ".join(f"rank {r} sent {g[1]}" for r, g in enumerate(got)))
-    sub = world.split(ranks)
-    process_set.process_set_id = _state["next_id"]
-    _state["next_id"] += 1
-    process_set._comm = sub
-    _state["sets"][process_set.process_set_id] = process_set
+    if any(g[0] != "ok" for g in got) or len({g[1] for g in got}) > 1 or \
+            (kind == "ranks" and any(g[2] != ranks for g in got)):
+        raise CollectiveMismatchError("add_process_set: ranks passed different sets: " + ", ".join(
+            f"rank {r} sent {g[2] if g[0] == 'ok' else 'an invalid set'} ({g[1]})"
+            for r, g in enumerate(got)))
+    lists = []
+    for g in got:
+        if g[2] not in lists:
+            lists.append(g[2])
+    existing = [global_process_set.ranks] + [p.ranks for p in _state["sets"].values()]
+    dup = [lst for lst in lists if lst in existing]
+    if dup:
+        raise ValueError(f"Attempted to add a duplicate process set: ranks {dup[0]}")
+    for lst in lists:
+        target = process_set if lst == ranks else ProcessSet(lst)
+        target._comm = world.split(lst)       # collective over every rank
+        target.process_set_id = _state["next_id"]
+        _state["next_id"] += 1
+        _state["sets"][target.process_set_id] = target
     return process_set
 
 

@@ -313,6 +313,21 @@ def test_process_sets(world):
         hvd.allreduce(x, process_set=ps)
 
 
+def test_process_sets_from_mpi_communicators(world):
+    """Each rank passes its own sub-communicator (Horovod's ProcessSet(comm))."""
+    sub = world.Split(color=world.rank % 2, key=world.rank)
+    mine = [r for r in range(world.size) if r % 2 == world.rank % 2]
+    ps = hvd.add_process_set(hvd.ProcessSet(sub))
+    try:
+        assert ps.ranks == mine and ps.included() and ps.size() == len(mine)
+        out = hvd.allreduce(mx.nd.ones((2,)) * (world.rank + 1), op=hvd.Sum, name="ps.comm", process_set=ps)
+        np.testing.assert_array_equal(out.asnumpy(), np.full(2, sum(r + 1 for r in mine)))
+    finally:
+        for p in list(hvd._state["sets"].values()):
+            hvd.remove_process_set(p)
+        sub.Free()
+
+
 def test_timeline(world, tmp_path_factory):
     path = os.path.join(tempfile.gettempdir(), f"gradfuse_tl_{os.getpid()}.json")
     hvd.start_timeline(path)
