@@ -8,7 +8,10 @@ import os
 from setuptools import Extension, setup
 from Cython.Build import cythonize
 
-debug = os.environ.get("GRADFUSE_DEBUG_BUILD", "").strip() not in ("", "0")
+_raw = os.environ.get("GRADFUSE_DEBUG_BUILD")
+if _raw is not None and _raw.strip() not in ("0", "1"):
+    raise SystemExit(f"GRADFUSE_DEBUG_BUILD={_raw!r}: expected 0 or 1 (or unset)")
+debug = _raw is not None and _raw.strip() == "1"
 
 directives = {
     "language_level": 3,
@@ -32,5 +35,20 @@ ext = Extension(
     extra_compile_args=cflags,
 )
 
+# The generated C depends on the directives: regenerate it whenever the build kind
+# changes (a normal build after a debug build must not keep the bounds checks).
+_stamp = os.path.join("gradfuse", ".build_kind")
+_kind = "debug" if debug else "release"
+try:
+    with open(_stamp) as f:
+        _changed = f.read().strip() != _kind
+except OSError:
+    _changed = True
 setup(ext_modules=cythonize([ext], compiler_directives=directives,
-                            force=debug, annotate=False))
+                            force=debug or _changed, annotate=False))
+try:
+    with open(_stamp, "w") as f:
+        f.write(_kind)
+except OSError:
+    pass
+

@@ -6,6 +6,10 @@ names the variable and what it holds; nothing is silently replaced by a default.
 import math
 import operator
 import os
+import re
+
+_INT = re.compile(r"[+-]?[0-9]+")
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 DEFAULT_FUSION_THRESHOLD = 1 << 20   # bytes; chosen by measurement, see docs/design.md
 DEFAULT_STALL_WARNING_S = 60.0
@@ -22,13 +26,11 @@ def env_int(var, default, minimum=0, maximum=1 << 62):
     if raw is None:
         return default
     text = raw.strip()
-    try:
-        if not text or not text.lstrip("+").isdigit():
-            raise ValueError
-        value = int(text)
-    except ValueError:
-        raise ValueError(f"{var}={raw!r} is not a whole number of bytes/count "
-                         f"(expected an integer in [{minimum}, {maximum}])") from None
+    # ASCII digits only: int() would also take "1_000" and other scripts' digits
+    if not _INT.fullmatch(text):
+        raise ValueError(f"{var}={raw!r} is not a whole number "
+                         f"(expected an integer in [{minimum}, {maximum}])")
+    value = int(text)
     if not minimum <= value <= maximum:
         raise ValueError(f"{var}={raw!r} is out of range: expected an integer in [{minimum}, {maximum}]")
     return value
@@ -40,13 +42,25 @@ def env_seconds(var, default, maximum=7 * 24 * 3600.0):
     if raw is None:
         return default
     text = raw.strip()
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{var}={raw!r} is not a number of seconds") from None
+    # a plain decimal number: float() would also take "nan", "inf" and "1_0"
+    if not _NUMBER.fullmatch(text):
+        raise ValueError(f"{var}={raw!r} is not a number of seconds "
+                         f"(expected e.g. 30 or 2.5 or 1e3; 0 = off)")
+    value = float(text)
     if not math.isfinite(value) or value < 0 or value > maximum:
         raise ValueError(f"{var}={raw!r} is out of range: expected seconds in [0, {maximum:g}], 0 = off")
     return value
+
+
+def env_bool(var, default):
+    """``0`` or ``1`` from ``var`` (surrounding whitespace allowed), or ``default`` when unset."""
+    raw = _raw(var)
+    if raw is None:
+        return default
+    text = raw.strip()
+    if text not in ("0", "1"):
+        raise ValueError(f"{var}={raw!r}: expected 0 or 1")
+    return text == "1"
 
 
 def fusion_threshold(value=None):
@@ -68,3 +82,20 @@ def stall_warning_s():
 
 def stall_timeout_s():
     return env_seconds("GRADFUSE_STALL_TIMEOUT_S", DEFAULT_STALL_TIMEOUT_S)
+
+
+def exit_timeout_s():
+    """How long a rank that exits waits for the others before aborting the job
+    (GRADFUSE_EXIT_TIMEOUT_S, default GRADFUSE_STALL_TIMEOUT_S; 0 = no limit)."""
+    return env_seconds("GRADFUSE_EXIT_TIMEOUT_S", stall_timeout_s())
+
+
+def validate():
+    """Read every run-time GRADFUSE_* variable once, so a bad value fails ``init()``
+    with a message naming it instead of failing later inside a collective.
+    (GRADFUSE_FORCE_SCALAR is checked when ``gradfuse._core`` is imported.)"""
+    fusion_threshold()
+    stall_warning_s()
+    stall_timeout_s()
+    exit_timeout_s()
+    env_bool("GRADFUSE_HOOKS", True)

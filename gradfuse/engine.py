@@ -12,6 +12,7 @@ different order is reported as a mismatch naming the tensors), it never guesses.
 """
 import queue
 import threading
+import time
 
 
 class Handle:
@@ -52,6 +53,9 @@ class Engine:
 
     def __init__(self, name="gradfuse-comm"):
         self._queue = queue.SimpleQueue()
+        # (name, time.monotonic() at start) of the job running now, else None;
+        # read by gradfuse.watchdog to find collectives that run too long
+        self.inflight = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -67,11 +71,14 @@ class Engine:
             if item is None:
                 return
             fn, handle = item
+            self.inflight = (handle.name, time.monotonic())
             try:
                 result = fn()
             except BaseException as exc:    # handed to the caller, never lost
+                self.inflight = None
                 handle._set(error=exc)
             else:
+                self.inflight = None
                 handle._set(result=result)
 
     def shutdown(self):

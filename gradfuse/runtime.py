@@ -36,17 +36,28 @@ def _wrap(comm):
     raise TypeError(f"comm must be a gradfuse Communicator or an mpi4py Intracomm, got {type(comm).__name__}")
 
 
-def init(comm=None):
+def init(comm=None, install_hooks=None):
     """Set up the default communicator (``MPI.COMM_WORLD`` unless ``comm`` is given).
 
     Calling it again with no argument keeps the existing default.
+
+    Args:
+        comm: a gradfuse Communicator or an mpi4py Intracomm; None for COMM_WORLD.
+        install_hooks: install the rank-death hooks and the watchdog of
+            ``gradfuse.watchdog`` (an MPI communicator of more than one rank only).
+            None (default) reads ``GRADFUSE_HOOKS`` (unset or 1: yes, 0: no).
     """
     global _default
+    from . import config, watchdog
+    config.validate()
+    hooks = watchdog.hooks_enabled(install_hooks)
     with _lock:
         if _default is not None and comm is None:
             return _default.comm
         _default = _context_locked(comm)
-        return _default.comm
+    if hooks:
+        watchdog.install(_default.comm)
+    return _default.comm
 
 
 def is_initialized():

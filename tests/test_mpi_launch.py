@@ -23,11 +23,13 @@ def _mpi_env():
     return env
 
 
-@pytest.mark.parametrize("ranks", [2, 3])
-def test_multi_rank_suite(ranks):
+@pytest.mark.parametrize("ranks,target", [(2, "tests/mpi"), (3, "tests/mpi"),
+                                          (1, "tests/mpi/test_battery.py"), (4, "tests/mpi/test_battery.py")])
+def test_multi_rank_suite(ranks, target):
+    """All of tests/mpi on 2 and 3 ranks; the reliability battery also on 1 and 4."""
     mpiexec = mpiexec_path()
     assert mpiexec, "mpiexec not found: install the mpich extra (see README)"
-    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "pytest", "tests/mpi", "-q",
+    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "pytest", target, "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", "-W", "ignore::DeprecationWarning"]
     code, out, timed_out = run_limited(cmd, timeout=180, env=_mpi_env(), cwd=ROOT)
     print(out)

@@ -11,7 +11,12 @@ def __getattr__(name):
     if name == "MPICommunicator":
         from .mpi import MPICommunicator
         return MPICommunicator
+    # cupy is imported only when a GPU communicator is asked for
+    if name in ("NCCLCommunicator", "HostStagedCommunicator", "make_gpu_communicator"):
+        from . import nccl
+        return getattr(nccl, name)
     raise AttributeError(name)
 
 
-__all__ = ["Communicator", "SingleProcessCommunicator", "MPICommunicator"]
+__all__ = ["Communicator", "SingleProcessCommunicator", "MPICommunicator", "NCCLCommunicator",
+           "HostStagedCommunicator", "make_gpu_communicator"]

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Device check of the GPU path (issue 6): about 5 minutes on one GPU, no network.
+#
+#   bash scripts/gpu_check.sh            # from the repository root, on the GPU machine
+#
+# Uses the packages already on the image (Python 3.12, numpy 2, cupy-cuda13x, Cython,
+# pytest, mpi4py). Steps: build gradfuse in place; 1) compile every kernel with
+# cupy.RawModule (NVRTC); 2) the GPU tests with GRADFUSE_TEST_GPU=1 (a missing GPU is a
+# failure there); 3) the kernel benchmark on a 256 MB bucket (python -m gradfuse.bench_gpu),
+# a markdown table on stdout and in $OUT/gpu_bench.md when OUT is set. Logs go to $OUT
+# (or /tmp). Exit status: non-zero if any step failed; every step runs regardless.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+LOGS=${OUT:-/tmp}
+mkdir -p "$LOGS"
+t0=$(date +%s)
+say() { echo "== gpu_check [$(( $(date +%s) - t0 )) s] $*"; }
+fail=0
+
+say "machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "(no nvidia-smi)"
+$PY -c "import sys, numpy, cupy; print('python', sys.version.split()[0], '| numpy', numpy.__version__, '| cupy', cupy.__version__, '| devices', cupy.cuda.runtime.getDeviceCount())" || fail=1
+
+say "build: $PY setup.py build_ext --inplace"
+if ! timeout 150 $PY setup.py build_ext --inplace > "$LOGS/gpu_build.log" 2>&1; then
+    tail -40 "$LOGS/gpu_build.log"; say "BUILD FAILED"; exit 1
+fi
+
+say "1) compile every kernel with cupy.RawModule"
+timeout 90 $PY - <<'PYEOF' || fail=1
+import time
+from gradfuse import gpu
+t = time.perf_counter()
+names = gpu.compile_all()
+print(f"{len(names)} kernels compiled in {time.perf_counter() - t:.1f} s with {gpu.OPTIONS}:")
+print("  " + "\n  ".join(names))
+PYEOF
+
+# kernels and communicators in two processes: a broken MPI cannot take the kernel results down
+for part in kernels comm; do
+    if [ $part = kernels ]; then files="tests/test_gpu_kernels.py tests/test_cuda_compile.py"; limit=170
+    else files="tests/test_gpu_comm.py"; limit=80; fi
+    say "2) GPU tests, $part (GRADFUSE_TEST_GPU=1)"
+    GRADFUSE_TEST_GPU=1 timeout $limit $PY -m pytest -q -p no:cacheprovider -o addopts="" -rfEs --tb=short \
+        --durations=8 $files > "$LOGS/gpu_tests_$part.log" 2>&1
+    rc=$?
+    grep -E "^(FAILED|ERROR)" "$LOGS/gpu_tests_$part.log" | head -40
+    tail -20 "$LOGS/gpu_tests_$part.log"
+    [ $rc -eq 0 ] || { fail=1; say "GPU TESTS ($part) FAILED (exit $rc; full log $LOGS/gpu_tests_$part.log)"; }
+done
+
+say "3) benchmark (256 MB bucket)"
+timeout 90 $PY -m gradfuse.bench_gpu --mb 256 --repeat 20 || fail=1
+
+say "done, status $fail"
+exit $fail

@@ -1,0 +1,273 @@
+"""A stand-in for the few cupy features gradfuse.gpu and its tests use, running the real
+cuda/*.cu kernels on the CPU through the SIMT emulator in simt.h (g++, C++20, threads).
+
+Purpose: exercise the GPU code path (kernels, launch geometry, wrappers, tests) on a
+machine without a GPU, before the first device run. It proves nothing about the GPU's
+own arithmetic or memory model; it does catch indexing, layout, divergence and
+argument-passing bugs. Enabled by GRADFUSE_GPU_EMULATOR=1 (tests/conftest_gpu.py), never
+on its own.
+
+Arrays are numpy arrays of a subclass (``ndarray``) in host memory; "device pointers"
+are host addresses.
+"""
+import ctypes
+import hashlib
+import os
+import re
+import subprocess
+import tempfile
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+_BUILD = os.path.join(tempfile.gettempdir(), f"gradfuse_simt_{os.getuid()}")
+
+__version__ = "0.0-simt-emulator"
+float32, float64, float16 = np.float32, np.float64, np.float16
+int8, int32, int64, uint8, uint16, uint32, uint64 = (np.int8, np.int32, np.int64, np.uint8, np.uint16,
+                                                     np.uint32, np.uint64)
+
+
+class _Ptr:
+    def __init__(self, arr):
+        self.ptr = arr.ctypes.data
+
+
+class _Dev:
+    id = 0
+
+
+class ndarray(np.ndarray):
+    """A host numpy array posing as a cupy array."""
+
+    @property
+    def data(self):
+        return _Ptr(self)
+
+    @property
+    def device(self):
+        return _Dev()
+
+    def get(self, stream=None, out=None):
+        h = np.array(self, copy=True).view(np.ndarray)
+        if out is not None:
+            out[...] = h
+            return out
+        return h
+
+    def set(self, arr, stream=None):
+        self[...] = arr
+
+
+def _wrap(a):
+    return np.asarray(a).view(ndarray)
+
+
+def asarray(a, dtype=None):
+    if isinstance(a, ndarray) and (dtype is None or a.dtype == dtype):
+        return a
+    return np.array(a, dtype=dtype, copy=True).view(ndarray)
+
+
+def zeros(shape, dtype=np.float64):
+    return _wrap(np.zeros(shape, dtype))
+
+
+def empty(shape, dtype=np.float64):
+    return _wrap(np.empty(shape, dtype))
+
+
+def ones(shape, dtype=np.float64):
+    return _wrap(np.ones(shape, dtype))
+
+
+def full(shape, value, dtype=None):
+    return _wrap(np.full(shape, value, dtype))
+
+
+def empty_like(a):
+    return _wrap(np.empty_like(a))
+
+
+def stack(arrs):
+    return _wrap(np.stack([np.asarray(a) for a in arrs]))
+
+
+def tile(a, reps):
+    return _wrap(np.tile(np.asarray(a), reps))
+
+
+def copyto(dst, src):
+    np.copyto(dst, src)
+
+
+def concatenate(arrs):
+    return _wrap(np.concatenate([np.asarray(a) for a in arrs]))
+
+
+def repeat(a, r):
+    return _wrap(np.repeat(np.asarray(a), r))
+
+
+def where(c, a, b):
+    return _wrap(np.where(np.asarray(c), np.asarray(a), np.asarray(b)))
+
+
+def abs(a):  # noqa: A001
+    return _wrap(np.abs(np.asarray(a)))
+
+
+def packbits(a, bitorder="big"):
+    return _wrap(np.packbits(np.asarray(a), bitorder=bitorder))
+
+
+class _Gen:
+    def __init__(self, seed):
+        self.g = np.random.default_rng(seed)
+
+    def standard_normal(self, n, dtype=np.float64):
+        return _wrap(self.g.standard_normal(n, dtype=dtype))
+
+
+class random:  # noqa: N801
+    default_rng = _Gen
+
+
+def array_equal(a, b):
+    return bool(np.array_equal(np.asarray(a), np.asarray(b)))
+
+
+# ------------------------------------------------------------------ cuda namespace
+
+class _Runtime:
+    @staticmethod
+    def getDevice():
+        return 0
+
+    @staticmethod
+    def getDeviceProperties(i):
+        return {"name": b"SIMT emulator (CPU)"}
+
+    @staticmethod
+    def runtimeGetVersion():
+        return 0
+
+    @staticmethod
+    def getDeviceCount():
+        return 1
+
+
+class _Device:
+    def __init__(self, i=0):
+        self.id = i
+        self.attributes = {"MultiProcessorCount": 2}   # small grids: the emulator is slow
+
+    def use(self):
+        pass
+
+
+class _Stream:
+    ptr = 0
+
+    def synchronize(self):
+        pass
+
+
+class _Event:
+    def record(self, stream=None):
+        import time
+        self.t = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+class _Cuda:
+    runtime = _Runtime()
+    Device = _Device
+    Event = _Event
+
+    @staticmethod
+    def get_elapsed_time(a, b):
+        return (b.t - a.t) * 1e3
+
+    @staticmethod
+    def get_current_stream():
+        return _Stream()
+
+
+cuda = _Cuda()
+
+# ------------------------------------------------------------------ kernels
+
+_ARG = {np.dtype(np.int64): ctypes.c_int64, np.dtype(np.int32): ctypes.c_int32,
+        np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float,
+        np.dtype(np.uint32): ctypes.c_uint32}
+
+
+def _build(code):
+    """Compile one .cu source with the emulator header into a shared library (cached)."""
+    names = re.findall(r'extern "C" __global__ void (\w+)\s*\(', code)
+    reg = ("static const EmuKernel emu_kernels[] = {\n"
+           + "".join(f'    {{"{n}", [](void** a) {{ emu_call({n}, a); }}}},\n' for n in names)
+           + "    {0, 0}\n};\n")
+    with open(os.path.join(HERE, "simt.h")) as f:
+        head = f.read()
+    with open(os.path.join(HERE, "simt_launch.h")) as f:
+        tail = f.read()
+    tu = head + "\n#line 1 \"kernel.cu\"\n" + code + "\n" + reg + tail
+    flags = ["-std=c++17", "-O1", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-Wno-unknown-pragmas"]
+    key = hashlib.sha256((tu + " ".join(flags)).encode()).hexdigest()[:16]
+    os.makedirs(_BUILD, exist_ok=True)
+    so = os.path.join(_BUILD, f"k_{key}.so")
+    if not os.path.exists(so):
+        src = os.path.join(_BUILD, f"k_{key}.cpp")
+        with open(src, "w") as f:
+            f.write(tu)
+        cmd = ["g++"] + flags + ["-o", so + ".tmp", src]
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode:
+            raise RuntimeError(f"simt emulator: g++ failed:\n{p.stderr[-4000:]}")
+        os.replace(so + ".tmp", so)
+    lib = ctypes.CDLL(so)
+    lib.emu_launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                               ctypes.POINTER(ctypes.c_void_p)]
+    lib.emu_launch.restype = ctypes.c_int
+    return lib, set(names)
+
+
+class RawKernel:
+    def __init__(self, lib, name):
+        self.lib, self.name = lib, name
+
+    def __call__(self, grid, block, args):
+        grid = tuple(grid) + (1,) * (3 - len(grid))
+        block = tuple(block) + (1,) * (3 - len(block))
+        keep = []
+        for a in args:
+            if isinstance(a, np.ndarray):
+                if not isinstance(a, ndarray):
+                    raise TypeError(f"{self.name}: a host numpy array passed to a kernel")
+                keep.append(ctypes.c_void_p(a.ctypes.data))
+            elif isinstance(a, np.generic):
+                keep.append(_ARG[a.dtype](a.item()))
+            else:
+                raise TypeError(f"{self.name}: untyped kernel argument {a!r} ({type(a).__name__})")
+        argv = (ctypes.c_void_p * max(1, len(keep)))(*[ctypes.cast(ctypes.pointer(k), ctypes.c_void_p)
+                                                      for k in keep])
+        if grid[2] != 1 or block[1] != 1 or block[2] != 1:
+            raise ValueError("simt emulator: only (x, y) grids and x blocks")
+        rc = self.lib.emu_launch(self.name.encode(), grid[0], grid[1], block[0], argv)
+        if rc:
+            raise RuntimeError(f"simt emulator: cannot launch {self.name} with block {block}")
+
+
+class RawModule:
+    def __init__(self, code, options=()):
+        self.options = tuple(options)
+        self.lib, self.names = _build(code)
+
+    def get_function(self, name):
+        if name not in self.names:
+            raise RuntimeError(f"no kernel {name} in the module")
+        return RawKernel(self.lib, name)

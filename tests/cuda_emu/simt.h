@@ -1,0 +1,103 @@
+// A tiny SIMT emulator for running gradfuse's cuda/*.cu kernels on the CPU, for tests
+// on machines without a GPU (tests/cuda_emu/fakecupy.py compiles each .cu with this
+// header forced in front). Not a CUDA implementation: just enough of it for these
+// kernels, and strict where they could go wrong on a GPU:
+//  - every warp runs as 32 fibers, so warp intrinsics (shfl, ballot) are exchanges
+//    between the 32 lanes; a lane that reaches an intrinsic that the others do not reach
+//    (divergence at a full-mask intrinsic, undefined on a GPU) aborts with a message;
+//  - float arithmetic of the _rn intrinsics is one IEEE operation each (built with
+//    -ffp-contract=off), like the GPU with --fmad=false; subnormals are kept.
+// Warps run one after the other (the kernels use no shared memory or __syncthreads).
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ucontext.h>
+#include <type_traits>
+#include <utility>
+
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+extern dim3 threadIdx, blockIdx;
+extern dim3 gridDim, blockDim;
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __align__(n) alignas(n)
+
+inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
+inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline float __fdiv_rn(float a, float b) { return a / b; }
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
+{
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v)
+{
+    unsigned long long old = *p;
+    if (v < old) *p = v;        // warps run one at a time: no concurrent writer
+    return old;
+}
+
+// Lanes are fibers (ucontext) of one OS thread: a lane runs until it reaches a warp
+// intrinsic or returns; when all 32 lanes wait at the same intrinsic, the exchange is
+// computed and they resume. Lanes that wait while others returned, or that wait at
+// different intrinsics, are divergence at a full-mask intrinsic: abort with a message.
+enum { EMU_SHFL_DOWN = 1, EMU_SHFL = 2, EMU_BALLOT = 3 };
+struct EmuLane {
+    int state;            // 0 runnable, 1 waiting at an intrinsic, 2 returned
+    int op, arg;
+    uint64_t val, res;
+};
+extern EmuLane emu_lanes[32];
+extern int emu_cur;
+void emu_wait(int op, int arg, uint64_t val);
+
+template <class T> inline uint64_t emu_bits(T v) { uint64_t b = 0; std::memcpy(&b, &v, sizeof(T)); return b; }
+template <class T> inline T emu_from(uint64_t b) { T v; std::memcpy(&v, &b, sizeof(T)); return v; }
+
+inline void emu_full(unsigned mask)
+{
+    if (mask != 0xffffffffu) { std::fprintf(stderr, "simt emulator: partial masks unsupported\n"); std::abort(); }
+}
+
+template <class T> inline T __shfl_down_sync(unsigned mask, T v, unsigned off)
+{
+    emu_full(mask);
+    emu_wait(EMU_SHFL_DOWN, (int)off, emu_bits(v));
+    return emu_from<T>(emu_lanes[emu_cur].res);
+}
+
+template <class T> inline T __shfl_sync(unsigned mask, T v, int src)
+{
+    emu_full(mask);
+    emu_wait(EMU_SHFL, src, emu_bits(v));
+    return emu_from<T>(emu_lanes[emu_cur].res);
+}
+
+inline unsigned __ballot_sync(unsigned mask, int pred)
+{
+    emu_full(mask);
+    emu_wait(EMU_BALLOT, 0, pred ? 1u : 0u);
+    return (unsigned)emu_lanes[emu_cur].res;
+}
+
+// ---- launching: each kernel parameter is read from args[i], as cuLaunchKernel does
+template <class... A, std::size_t... I>
+void emu_call_impl(void (*f)(A...), void** a, std::index_sequence<I...>)
+{
+    f(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(a[I])...);
+}
+template <class... A> void emu_call(void (*f)(A...), void** a)
+{
+    emu_call_impl(f, a, std::index_sequence_for<A...>{});
+}
+
+typedef void (*emu_entry)(void**);
+struct EmuKernel { const char* name; emu_entry fn; };

@@ -1,0 +1,35 @@
+"""The GPU modules import without cupy, and never import it on their own."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_importing_gradfuse_and_gpu_modules_does_not_import_cupy():
+    code = ("import sys, gradfuse, gradfuse.gpu, gradfuse.bench_gpu, gradfuse.comm.nccl\n"
+            "from gradfuse.comm import make_gpu_communicator\n"
+            "assert 'cupy' not in sys.modules, 'cupy was imported'\n"
+            "print('ok')\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=120)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stdout + p.stderr
+
+
+def test_available_false_without_cupy_or_device():
+    from gradfuse import gpu
+    try:
+        import cupy
+        has_device = cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        has_device = False
+    assert gpu.available() == has_device
+
+
+def test_kernel_sources_found():
+    from gradfuse import gpu
+    for fam in gpu.FAMILIES:
+        src = gpu.source(fam + ".cu")
+        for name in gpu.FAMILIES[fam]:
+            assert f"void {name}(" in src

@@ -1,0 +1,684 @@
+"""GPU kernels (gradfuse.gpu, cuda/*.cu) against the CPU kernels (gradfuse._core), bit for bit.
+
+Every GPU kernel runs on the same inputs as its CPU twin and must give the same bits:
+casts, counts and pack/unpack exactly (NaN payloads included, since the cast rules
+define them); the 1-bit / 2-bit outputs exactly except NaN payloads, which are not part
+of that contract (docs/compressors.md): a NaN must match a NaN.
+
+Skipped without a GPU; a failure without one when GRADFUSE_TEST_GPU=1 (conftest_gpu.py).
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest_gpu import require_gpu  # noqa: E402
+
+import gradfuse._core as core  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+F32 = np.float32
+U32 = np.uint32
+SIZES = [0, 1, 7, 31, 32, 33, 63, 64, 65, 97, 511, 512, 513, 1009, 4097, 65537, (1 << 20) + 13]
+SPECIAL = np.array([0.0, -0.0, 65504, -65504, 65520, -65520, 1e5, -1e5, 6e-8, -6e-8, 1e-8,
+                    -1e-8, 1e-40, -1e-40, 1.4e-45, -1.4e-45, 3e38, -3e38, 1.0, -1.0],
+                   dtype=F32)
+NONFINITE = np.array([np.nan, -np.nan, np.inf, -np.inf], F32)
+
+
+@pytest.fixture(scope="module")
+def g():
+    cp, gpu = require_gpu()
+    return cp, gpu
+
+
+# ------------------------------------------------------------------ helpers
+
+def same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, (a.shape, a.dtype, b.shape, b.dtype)
+    av = a.view(np.uint8) if a.dtype.itemsize == 1 else a.view(f"u{a.dtype.itemsize}")
+    bv = b.view(np.uint8) if b.dtype.itemsize == 1 else b.view(f"u{b.dtype.itemsize}")
+    bad = np.flatnonzero(av.reshape(-1) != bv.reshape(-1))
+    assert bad.size == 0, (f"{bad.size} of {a.size} differ; first at {bad[:5].tolist()}: "
+                           f"gpu {av.reshape(-1)[bad[:5]].tolist()} cpu {bv.reshape(-1)[bad[:5]].tolist()}")
+
+
+def same(a, b):
+    """Bit-identical; for float32 a NaN matches any NaN (payloads are not in the contract)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype == F32 and b.dtype == F32 and a.shape == b.shape:
+        na, nb = np.isnan(a), np.isnan(b)
+        assert np.array_equal(na, nb), f"NaN positions differ: {np.flatnonzero(na != nb)[:5]}"
+        same_bits(a[~na], b[~nb])
+    else:
+        same_bits(a, b)
+
+
+def gen(n, seed, kind="normal"):
+    rng = np.random.default_rng(seed)
+    if kind == "normal":
+        return (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 100.0])).astype(F32)
+    if kind == "zero":
+        return np.zeros(n, F32)
+    if kind == "negzero":
+        return np.full(n, -0.0, F32)
+    if kind == "special":
+        return rng.choice(SPECIAL, n).astype(F32)
+    if kind == "nonfinite":
+        x = (rng.standard_normal(n)).astype(F32)
+        if n:
+            k = rng.integers(0, n, max(1, n // 100))
+            x[k] = rng.choice(NONFINITE, len(k))
+        return x
+    if kind == "bits":        # arbitrary patterns: NaN payloads, subnormals, everything
+        return rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(U32).view(F32)
+    raise AssertionError(kind)
+
+
+def host_table(arrs):
+    """(ptrs, offsets, counts) of numpy arrays, dense element offsets."""
+    ptrs = np.array([a.ctypes.data if a.size else 0 for a in arrs], np.int64)
+    counts = np.array([a.size for a in arrs], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if arrs else np.zeros(0, np.int64)
+    return ptrs, offsets, counts
+
+
+def dev_table(darrs):
+    ptrs = np.array([a.data.ptr if a.size else 0 for a in darrs], np.int64)
+    counts = np.array([a.size for a in darrs], np.int64)
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if darrs else np.zeros(0, np.int64)
+    return ptrs, offsets, counts
+
+
+def split_sizes(n, seed):
+    """Tensor sizes summing to n, with empty, tiny and odd rows."""
+    rng = np.random.default_rng(seed)
+    sizes, left = [], n
+    while left > 0:
+        s = int(min(left, rng.choice([0, 1, 2, 5, 31, 33, 100, 513, 4097, left])))
+        sizes.append(s)
+        left -= s
+    sizes.insert(min(1, len(sizes)), 0)
+    return sizes
+
+
+def chunks(x, sizes):
+    out, pos = [], 0
+    for s in sizes:
+        out.append(x[pos:pos + s].copy())
+        pos += s
+    return out
+
+
+def test_compile_every_kernel(g):
+    cp, gpu = g
+    names = gpu.compile_all()
+    assert len(names) == sum(len(v) for v in gpu.FAMILIES.values())
+
+
+def test_module_cached_per_device(g):
+    cp, gpu = g
+    assert gpu.module("onebit") is gpu.module("onebit")
+    assert gpu.kernel("gf_pack") is gpu.kernel("gf_pack")
+
+
+# ------------------------------------------------------------------ pack / unpack
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pack_unpack(g, seed):
+    cp, gpu = g
+    rng = np.random.default_rng(seed)
+    nbs = [int(v) for v in rng.choice([0, 1, 3, 4, 15, 16, 17, 64, 1000, 4096, 65536 + 5], 40)]
+    host = [rng.integers(0, 256, nb, dtype=np.uint8) for nb in nbs]
+    # unaligned offsets too (a byte table may place rows anywhere)
+    offsets = np.zeros(len(nbs), np.int64)
+    pos = 3 if seed % 2 else 0
+    for i, nb in enumerate(nbs):
+        offsets[i] = pos
+        pos += nb + (int(rng.integers(0, 3)) if seed % 2 else 0)
+    total = pos
+    nbytes = np.array(nbs, np.int64)
+    buf_c = np.zeros(total, np.uint8)
+    core.pack(buf_c, np.array([a.ctypes.data for a in host], np.int64), offsets, nbytes, 0, len(nbs))
+    dev = [cp.asarray(a) for a in host]
+    dptrs = np.array([a.data.ptr for a in dev], np.int64)
+    buf_g = cp.zeros(total, np.uint8)
+    gpu.pack(buf_g, dptrs, offsets, nbytes, 0, len(nbs))
+    same_bits(buf_g.get(), buf_c)
+    # sub-range, with cupy tables
+    lo, hi = 5, 30
+    buf_g2 = cp.zeros(total, np.uint8)
+    buf_c2 = np.zeros(total, np.uint8)
+    gpu.pack(buf_g2, cp.asarray(dptrs), cp.asarray(offsets), cp.asarray(nbytes), lo, hi)
+    core.pack(buf_c2, np.array([a.ctypes.data for a in host], np.int64), offsets, nbytes, lo, hi)
+    same_bits(buf_g2.get(), buf_c2)
+    # unpack into fresh destinations
+    src = rng.integers(0, 256, total, dtype=np.uint8)
+    outs_c = [np.zeros(nb, np.uint8) for nb in nbs]
+    core.unpack(src, np.array([a.ctypes.data for a in outs_c], np.int64), offsets, nbytes, 0, len(nbs))
+    outs_g = [cp.zeros(nb, np.uint8) for nb in nbs]
+    gpu.unpack(cp.asarray(src), np.array([a.data.ptr for a in outs_g], np.int64), offsets, nbytes, 0, len(nbs))
+    for a, b in zip(outs_g, outs_c):
+        same_bits(a.get(), b)
+
+
+@pytest.mark.parametrize("divisor", [1.0, 2.0, 3.0, 0.5, -7.0, 1e-3, 2.0 ** -126, 3e38])
+def test_unpack_div_f32(g, divisor):
+    cp, gpu = g
+    sizes = [0, 1, 5, 33, 1000, 4097, 0, 70001]
+    x = np.concatenate([gen(sum(sizes) // 2, 1, "bits"), gen(sum(sizes) - sum(sizes) // 2, 2, "special")])
+    nbytes = np.array(sizes, np.int64) * 4
+    offsets = np.concatenate([[0], np.cumsum(nbytes)[:-1]]).astype(np.int64)
+    outs_c = [np.zeros(s, F32) for s in sizes]
+    core.unpack_div(x.view(np.uint8), np.array([a.ctypes.data for a in outs_c], np.int64), offsets, nbytes,
+                    0, len(sizes), 2, divisor)
+    outs_g = [cp.zeros(s, F32) for s in sizes]
+    gpu.unpack_div_f32(cp.asarray(x.view(np.uint8)), np.array([a.data.ptr for a in outs_g], np.int64),
+                       offsets, nbytes, 0, len(sizes), divisor)
+    for a, b in zip(outs_g, outs_c):
+        same_bits(a.get(), b)
+    y = cp.asarray(x)
+    gpu.div_f32(y, divisor)
+    xc = x.copy()
+    core.div_inplace(xc.ctypes.data, xc.size, 2, divisor)
+    same_bits(y.get(), xc)
+
+
+# ------------------------------------------------------------------ casts
+
+def f32_patterns():
+    """Every high half with low halves at the rounding boundaries, plus random patterns."""
+    hi = np.arange(1 << 16, dtype=U32) << 16
+    lows = np.array([0, 1, 0x0fff, 0x1000, 0x1001, 0x1fff, 0x2000, 0x3000, 0x7fff, 0x8000, 0x8001,
+                     0xefff, 0xf000, 0xffff], U32)
+    pats = (hi[:, None] | lows[None, :]).reshape(-1)
+    rnd = np.random.default_rng(5).integers(0, 1 << 32, 1 << 21, dtype=np.uint64).astype(U32)
+    edges = np.array([0x477ff000, 0x477fefff, 0x477ff001, 0x33000000, 0x33000001, 0x32ffffff,
+                      0x7f7f8000, 0x7f7f7fff, 0x00008000, 0x00008001, 0x7f800000, 0x7f800001,
+                      0x7fc00000, 0x7fbfffff, 0x7f802000, 0x7f801fff], U32)
+    edges = np.concatenate([edges, edges | 0x80000000])
+    return np.concatenate([pats, rnd, edges]).view(F32)
+
+
+@pytest.fixture(scope="module")
+def patterns():
+    return f32_patterns()
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+@pytest.mark.parametrize("prescale", [1.0, 3.0, 0.5, -7.0, 1e-3, 65536.0])
+def test_cast_to16(g, patterns, fmt, prescale):
+    cp, gpu = g
+    x = patterns
+    want = np.zeros(x.size, np.uint16)
+    cnt_c = core.cast_to16(fmt, x, want, prescale)
+    got = cp.zeros(x.size, np.uint16)
+    cnt_g = gpu.cast_to16(fmt, cp.asarray(x), got, prescale)
+    same_bits(got.get(), want)
+    assert cnt_g == cnt_c
+    # device-side counts
+    out = cp.zeros(2, np.uint64)
+    assert gpu.cast_to16(fmt, cp.asarray(x), got, prescale, count_out=out) is out
+    assert tuple(int(v) for v in out.get()) == cnt_c
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+@pytest.mark.parametrize("divisor", [1.0, 3.0, 0.5, -7.0, 2.0 ** -20])
+def test_cast_from16_exhaustive(g, fmt, divisor):
+    cp, gpu = g
+    h = np.arange(1 << 16, dtype=np.uint16)
+    want = np.zeros(h.size, F32)
+    core.cast_from16(fmt, h, want, divisor)
+    got = cp.zeros(h.size, F32)
+    gpu.cast_from16(fmt, cp.asarray(h), got, divisor)
+    same_bits(got.get(), want)
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+@pytest.mark.parametrize("prescale", [1.0, 4.0, 3.0])
+def test_pack_unpack_cast_table(g, fmt, prescale):
+    cp, gpu = g
+    sizes = split_sizes(300000, fmt * 10 + int(prescale))
+    x = np.concatenate([gen(150000, 3, "bits"), gen(150000, 4, "normal") * F32(1e4)])
+    arrs = chunks(x, sizes)
+    ptrs, offsets, counts = host_table(arrs)
+    buf_c = np.zeros(x.size, np.uint16)
+    cnt_c = core.pack_cast(fmt, buf_c, ptrs, offsets, counts, 0, len(arrs), prescale)
+    darrs = [cp.asarray(a) for a in arrs]
+    dptrs, _, _ = dev_table(darrs)
+    buf_g = cp.zeros(x.size, np.uint16)
+    cnt_g = gpu.pack_cast(fmt, buf_g, dptrs, offsets, counts, 0, len(arrs), prescale)
+    same_bits(buf_g.get(), buf_c)
+    assert cnt_g == cnt_c
+    outs_c = [np.zeros(a.size, F32) for a in arrs]
+    core.unpack_cast(fmt, buf_c, host_table(outs_c)[0], offsets, counts, 0, len(arrs), prescale)
+    outs_g = [cp.zeros(a.size, F32) for a in arrs]
+    gpu.unpack_cast(fmt, buf_g, cp.asarray(dev_table(outs_g)[0]), cp.asarray(offsets), cp.asarray(counts),
+                    0, len(arrs), prescale)
+    for a, b in zip(outs_g, outs_c):
+        same_bits(a.get(), b)
+
+
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_sum16(g, fmt):
+    cp, gpu = g
+    rng = np.random.default_rng(fmt)
+    a = rng.integers(0, 1 << 16, 1 << 20, dtype=np.uint32).astype(np.uint16)
+    b = rng.integers(0, 1 << 16, 1 << 20, dtype=np.uint32).astype(np.uint16)
+    # every pair of a few interesting patterns (zeros, infs, NaNs, max, subnormals)
+    inf, nan = (0x7c00, 0x7e01) if fmt == 1 else (0x7f80, 0x7fc1)
+    mx = 0x7bff if fmt == 1 else 0x7f7f
+    sp = np.array([0, 0x8000, 1, 0x8001, inf, inf | 0x8000, nan, nan | 0x8000, nan - 0x200 // (1 if fmt == 1 else 8),
+                   mx, mx | 0x8000, 0x3c00, 0xbc00], np.uint16)
+    a = np.concatenate([a, np.repeat(sp, sp.size)])
+    b = np.concatenate([b, np.tile(sp, sp.size)])
+    want = b.copy()
+    core.sum16(fmt, a, want)
+    got = cp.asarray(b)
+    gpu.sum16(fmt, cp.asarray(a), got)
+    same_bits(got.get(), want)
+
+
+# ------------------------------------------------------------------ 1-bit
+
+def onebit_cpu(x, e, block, inplace):
+    n = x.size
+    bits = np.full(-(-n // 32), 0xDEADBEEF, U32)
+    scales = np.full(-(-n // block), 7.0, F32)
+    if e is None:
+        bad = core.onebit_compress_array(x, np.zeros(0, F32), np.zeros(0, F32), block, bits, scales)
+        return bits, scales, None, bad
+    ein = e.copy()
+    eout = ein if inplace else np.full(n, 5.0, F32)
+    bad = core.onebit_compress_array(x, ein, eout, block, bits, scales)
+    return bits, scales, eout, bad
+
+
+def onebit_gpu(cp, gpu, x, e, block, inplace, table_sizes=None):
+    n = x.size
+    bits = cp.full(-(-n // 32), 0xDEADBEEF, U32)
+    scales = cp.full(-(-n // block), 7.0, F32)
+    if e is None:
+        ein = eout = cp.zeros(0, F32)
+    else:
+        ein = cp.asarray(e)
+        eout = ein if inplace else cp.full(n, 5.0, F32)
+    if table_sizes is None:
+        bad = gpu.onebit_compress_array(cp.asarray(x), ein, eout, block, bits, scales)
+    else:
+        darrs = [cp.asarray(a) for a in chunks(x, table_sizes)]
+        ptrs, offsets, counts = dev_table(darrs)
+        bad = gpu.onebit_compress(ptrs, offsets, counts, 0, len(darrs), ein, eout, block, bits, scales)
+    if e is not None and not inplace:
+        same_bits(ein.get(), e)            # e_in never written when e_out differs
+    return bits.get(), scales.get(), (None if e is None else eout.get()), bad
+
+
+def check_onebit(cp, gpu, x, e, block, inplace, table_sizes=None):
+    want = onebit_cpu(x, e, block, inplace)
+    got = onebit_gpu(cp, gpu, x, e, block, inplace, table_sizes)
+    same_bits(got[0], want[0])
+    same(got[1], want[1])
+    if e is not None:
+        same(got[2], want[2])
+    assert got[3] == want[3]
+
+
+# block 1024 is the largest kept in registers (32 words per lane); 2048 and 4096 take the
+# re-reading path
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("block", [32, 64, 96, 512, 1024, 2048])
+def test_onebit_compress_random(g, n, block):
+    cp, gpu = g
+    x = gen(n, n * 7 + block)
+    e = gen(n, n * 7 + block + 1) * F32(0.1)
+    for ee, inplace in [(None, True), (e, True), (e, False)]:
+        check_onebit(cp, gpu, x, ee, block, inplace)
+
+
+@pytest.mark.parametrize("kind", ["zero", "negzero", "special", "nonfinite", "bits"])
+@pytest.mark.parametrize("n", [1, 31, 33, 97, 1009, 65537])
+@pytest.mark.parametrize("block", [32, 512, 4096])
+def test_onebit_compress_special(g, kind, n, block):
+    cp, gpu = g
+    x = gen(n, 11 + n, kind)
+    e = gen(n, 12 + n, kind if kind != "bits" else "special")
+    check_onebit(cp, gpu, x, e, block, inplace=False)
+    check_onebit(cp, gpu, x, None, block, inplace=True)
+
+
+def test_onebit_scale_order_matters(g):
+    """Inputs whose mean |c| depends on the summation order: only the canonical order matches."""
+    cp, gpu = g
+    x = np.zeros(512, F32)
+    x[0] = 1e8
+    x[1::2] = 1.0
+    x[2::64] = -3e7
+    check_onebit(cp, gpu, x, None, 512, True)
+    rng = np.random.default_rng(3)
+    y = (rng.standard_normal(1 << 16) * np.exp(rng.uniform(-20, 20, 1 << 16))).astype(F32)
+    for block in (32, 512, 1024, 2048):
+        check_onebit(cp, gpu, y, None, block, True)
+
+
+@pytest.mark.parametrize("block", [32, 512, 2048])
+@pytest.mark.parametrize("n", [1, 97, 4097, 300001])
+def test_onebit_compress_table(g, block, n):
+    cp, gpu = g
+    x = gen(n, n + 1)
+    e = gen(n, n + 2) * F32(0.1)
+    sizes = split_sizes(n, n + block)
+    check_onebit(cp, gpu, x, e, block, inplace=False, table_sizes=sizes)
+    check_onebit(cp, gpu, x, e, block, inplace=True, table_sizes=sizes)
+    check_onebit(cp, gpu, x, None, block, inplace=True, table_sizes=sizes)
+
+
+def test_onebit_table_subrange_and_cupy_tables(g):
+    cp, gpu = g
+    rng = np.random.default_rng(21)
+    sizes = [0, 1, 7, 0, 31, 33, 100, 1, 0, 513, 2, 97]
+    arrs = [rng.standard_normal(s).astype(F32) for s in sizes]
+    lo, hi = 3, 10
+    sub = arrs[lo:hi]
+    xs = np.concatenate(sub)
+    m = xs.size
+    want = onebit_cpu(xs, None, 64, True)
+    darrs = [cp.asarray(a) for a in arrs]
+    sp, so, sc = dev_table(darrs[lo:hi])
+    fp = np.concatenate([np.zeros(lo, np.int64), sp])
+    fo = np.concatenate([np.full(lo, -99, np.int64), so])
+    fc = np.concatenate([np.full(lo, 5, np.int64), sc])
+    bits = cp.empty(-(-m // 32), U32)
+    scales = cp.empty(-(-m // 64), F32)
+    empty = cp.zeros(0, F32)
+    bad = gpu.onebit_compress(cp.asarray(fp), cp.asarray(fo), cp.asarray(fc), lo, hi, empty, empty, 64, bits, scales)
+    same_bits(bits.get(), want[0])
+    same(scales.get(), want[1])
+    assert bad == want[3] == 0
+
+
+def test_onebit_device_count(g):
+    cp, gpu = g
+    x = gen(10000, 9, "nonfinite")
+    want = onebit_cpu(x, None, 64, True)
+    out = cp.zeros(1, np.uint64)
+    bits = cp.empty(-(-x.size // 32), U32)
+    scales = cp.empty(-(-x.size // 64), F32)
+    empty = cp.zeros(0, F32)
+    r = gpu.onebit_compress_array(cp.asarray(x), empty, empty, 64, bits, scales, count_out=out)
+    assert r is out and int(out.get()[0]) == want[3] > 0
+
+
+DIVISORS = [1.0, 2.0, 3.0, 8.0, 0.25, -4.0, 2.0 ** 100, 2.0 ** -126, 7.1, 2.0 ** 126]
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 33, 97, 1009, 4097, 300001])
+@pytest.mark.parametrize("p", [1, 2, 3, 5])
+@pytest.mark.parametrize("divisor", DIVISORS)
+def test_onebit_decompress_sum(g, n, p, divisor):
+    cp, gpu = g
+    block = 64
+    rng = np.random.default_rng(n + p)
+    bits = rng.integers(0, 1 << 32, (p, -(-n // 32)), dtype=np.uint64).astype(U32)
+    scales = np.abs(gen(p * -(-n // block), n + 7, "normal")).reshape(p, -1)
+    if scales.size:
+        scales.reshape(-1)[::17] = 0.0                      # -0 values where the bit is 0
+        scales.reshape(-1)[::29] = np.float32(3e38)         # overflow of the sum
+    want = np.full(n, 9.0, F32)
+    core.onebit_decompress_sum_array(bits, scales, block, want, divisor)
+    got = cp.full(n, 9.0, F32)
+    gpu.onebit_decompress_sum_array(cp.asarray(bits), cp.asarray(scales), block, got, divisor)
+    same(got.get(), want)
+    # the same through a table with empty and odd rows
+    sizes = split_sizes(n, n + 3 * p)
+    outs_c = [np.full(s, 3.0, F32) for s in sizes]
+    pc, oc, cc = host_table(outs_c)
+    core.onebit_decompress_sum(bits, scales, block, pc, oc, cc, 0, len(sizes), divisor)
+    outs_g = [cp.full(s, 3.0, F32) for s in sizes]
+    pg, og, cg = dev_table(outs_g)
+    gpu.onebit_decompress_sum(cp.asarray(bits), cp.asarray(scales), block, pg, og, cg, 0, len(sizes), divisor)
+    for a, b in zip(outs_g, outs_c):
+        same(a.get(), b)
+
+
+def test_onebit_decompress_strided_rows_and_negzero(g):
+    """Payload rows as views of a wire table (row stride > row length), and -0 from v_0."""
+    cp, gpu = g
+    n, p, block = 5000, 3, 512
+    nw, nb = -(-n // 32), -(-n // block)
+    rowbytes = 8 + 4 * nw + 4 * nb + 12
+    rng = np.random.default_rng(4)
+    table = rng.integers(0, 256, (p, rowbytes), dtype=np.uint8)
+    table[:, 8 + 4 * nw:8 + 4 * nw + 4 * nb] = np.abs(gen(p * nb, 5)).reshape(p, nb).view(np.uint8)
+    bits_c = table[:, 8:8 + 4 * nw].view(U32)
+    scales_c = table[:, 8 + 4 * nw:8 + 4 * nw + 4 * nb].view(F32)
+    want = np.empty(n, F32)
+    core.onebit_decompress_sum_array(bits_c, scales_c, block, want, 3.0)
+    dt = cp.asarray(table)
+    got = cp.empty(n, F32)
+    gpu.onebit_decompress_sum_array(dt[:, 8:8 + 4 * nw].view(U32), dt[:, 8 + 4 * nw:8 + 4 * nw + 4 * nb].view(F32),
+                                    block, got, 3.0)
+    same(got.get(), want)
+    out = cp.ones(40, F32)
+    gpu.onebit_decompress_sum_array(cp.zeros((1, 2), U32), cp.zeros((1, 1), F32), 64, out, 1.0)
+    o = out.get()
+    assert np.all(np.signbit(o)) and np.all(o == 0)
+
+
+def test_onebit_roundtrip_residual(g):
+    """e_out = c - decode(compress(c)) holds on the GPU (the error-feedback identity)."""
+    cp, gpu = g
+    n, block = 100003, 512
+    x = gen(n, 1)
+    c = cp.asarray(x)
+    e = cp.zeros(n, F32)
+    bits = cp.empty(-(-n // 32), U32)
+    scales = cp.empty(-(-n // block), F32)
+    gpu.onebit_compress_array(c, e, e, block, bits, scales)
+    dec = cp.empty(n, F32)
+    gpu.onebit_decompress_sum_array(bits[None, :], scales[None, :], block, dec, 1.0)
+    same((c - dec).get(), e.get())
+
+
+# ------------------------------------------------------------------ 2-bit
+
+def twobit_cpu(x, e, t, inplace):
+    n = x.size
+    codes = np.full(-(-n // 4), 0xAB, np.uint8)
+    if e is None:
+        bad = core.twobit_compress_array(x, np.zeros(0, F32), np.zeros(0, F32), t, codes)
+        return codes, None, bad
+    ein = e.copy()
+    eout = ein if inplace else np.full(n, 5.0, F32)
+    bad = core.twobit_compress_array(x, ein, eout, t, codes)
+    return codes, eout, bad
+
+
+def twobit_gpu(cp, gpu, x, e, t, inplace, table_sizes=None):
+    n = x.size
+    codes = cp.full(-(-n // 4), 0xAB, np.uint8)
+    if e is None:
+        ein = eout = cp.zeros(0, F32)
+    else:
+        ein = cp.asarray(e)
+        eout = ein if inplace else cp.full(n, 5.0, F32)
+    if table_sizes is None:
+        bad = gpu.twobit_compress_array(cp.asarray(x), ein, eout, t, codes)
+    else:
+        darrs = [cp.asarray(a) for a in chunks(x, table_sizes)]
+        ptrs, offsets, counts = dev_table(darrs)
+        bad = gpu.twobit_compress(ptrs, offsets, counts, 0, len(darrs), ein, eout, t, codes)
+    if e is not None and not inplace:
+        same_bits(ein.get(), e)
+    return codes.get(), (None if e is None else eout.get()), bad
+
+
+def check_twobit(cp, gpu, x, e, t, inplace, table_sizes=None):
+    want = twobit_cpu(x, e, t, inplace)
+    got = twobit_gpu(cp, gpu, x, e, t, inplace, table_sizes)
+    same_bits(got[0], want[0])
+    if e is not None:
+        same(got[1], want[1])
+    assert got[2] == want[2]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("t", [0.5, 1e-3, 1.0])
+def test_twobit_compress_random(g, n, t):
+    cp, gpu = g
+    x = gen(n, n + 5)
+    e = gen(n, n + 6) * F32(0.1)
+    for ee, inplace in [(None, True), (e, True), (e, False)]:
+        check_twobit(cp, gpu, x, ee, t, inplace)
+
+
+@pytest.mark.parametrize("kind", ["zero", "negzero", "special", "nonfinite", "bits"])
+@pytest.mark.parametrize("n", [1, 3, 4, 5, 33, 1009, 65537])
+def test_twobit_compress_special(g, kind, n):
+    cp, gpu = g
+    x = gen(n, 21 + n, kind)
+    e = gen(n, 22 + n, kind if kind != "bits" else "special")
+    for t in (0.5, 1e-38, 65504.0):
+        check_twobit(cp, gpu, x, e, t, inplace=False)
+        check_twobit(cp, gpu, x, None, t, inplace=True)
+
+
+@pytest.mark.parametrize("n", [1, 97, 4097, 300001])
+def test_twobit_compress_table(g, n):
+    cp, gpu = g
+    x = gen(n, n + 11)
+    e = gen(n, n + 12) * F32(0.1)
+    sizes = split_sizes(n, n + 13)
+    check_twobit(cp, gpu, x, e, 0.5, inplace=False, table_sizes=sizes)
+    check_twobit(cp, gpu, x, e, 0.5, inplace=True, table_sizes=sizes)
+    check_twobit(cp, gpu, x, None, 0.5, inplace=True, table_sizes=sizes)
+
+
+@pytest.mark.parametrize("n", [0, 1, 3, 5, 97, 4097, 300001])
+@pytest.mark.parametrize("p", [1, 2, 5])
+@pytest.mark.parametrize("divisor", DIVISORS)
+def test_twobit_decompress_sum(g, n, p, divisor):
+    cp, gpu = g
+    t = 0.37
+    rng = np.random.default_rng(n * 3 + p)
+    codes = rng.integers(0, 256, (p, -(-n // 4)), dtype=np.uint16).astype(np.uint8)   # 0b11 too
+    want = np.full(n, 9.0, F32)
+    core.twobit_decompress_sum_array(codes, t, want, divisor)
+    got = cp.full(n, 9.0, F32)
+    gpu.twobit_decompress_sum_array(cp.asarray(codes), t, got, divisor)
+    same(got.get(), want)
+    sizes = split_sizes(n, n + p)
+    outs_c = [np.full(s, 3.0, F32) for s in sizes]
+    pc, oc, cc = host_table(outs_c)
+    core.twobit_decompress_sum(codes, t, pc, oc, cc, 0, len(sizes), divisor)
+    outs_g = [cp.full(s, 3.0, F32) for s in sizes]
+    pg, og, cg = dev_table(outs_g)
+    gpu.twobit_decompress_sum(cp.asarray(codes), t, pg, og, cg, 0, len(sizes), divisor)
+    for a, b in zip(outs_g, outs_c):
+        same(a.get(), b)
+
+
+# ------------------------------------------------------------------ validation (no device work)
+
+def test_validation_errors(g):
+    cp, gpu = g
+    x = cp.zeros(100, F32)
+    e = cp.zeros(0, F32)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gpu.onebit_compress_array(x, e, e, 48, cp.zeros(4, U32), cp.zeros(3, F32))
+    with pytest.raises(ValueError, match="ceil"):
+        gpu.onebit_compress_array(x, e, e, 64, cp.zeros(3, U32), cp.zeros(2, F32))
+    with pytest.raises(ValueError, match="both"):
+        gpu.onebit_compress_array(x, cp.zeros(100, F32), e, 64, cp.zeros(4, U32), cp.zeros(2, F32))
+    with pytest.raises(ValueError, match="threshold"):
+        gpu.twobit_compress_array(x, e, e, 0.0, cp.zeros(25, np.uint8))
+    with pytest.raises(ValueError, match="divisor"):
+        gpu.onebit_decompress_sum_array(cp.zeros((1, 4), U32), cp.zeros((1, 2), F32), 64, x, 0.0)
+    with pytest.raises(ValueError, match="prescale"):
+        gpu.cast_to16(1, x, cp.zeros(100, np.uint16), float("inf"))
+    with pytest.raises(TypeError, match="cupy"):
+        gpu.cast_to16(1, np.zeros(3, F32), cp.zeros(3, np.uint16))
+    with pytest.raises(ValueError, match="dense"):
+        gpu.onebit_compress(np.array([x.data.ptr, x.data.ptr]), np.array([0, 7]), np.array([5, 5]), 0, 2,
+                            e, e, 32, cp.zeros(1, U32), cp.zeros(1, F32))
+
+
+def test_divisor_mode_matches_cpu_rule():
+    """The host picks x / f or x * (1/f) exactly as _quant.h's gf_q_divide does."""
+    from gradfuse import gpu
+    assert gpu.divisor_mode(1.0)[0] == 0
+    assert gpu.divisor_mode(3.0)[0] == 1
+    m, r = gpu.divisor_mode(4.0)
+    assert m == 2 and r == F32(0.25)
+    assert gpu.divisor_mode(2.0 ** 127)[0] == 2          # 1/f = 2^-127 is an exact subnormal
+    assert gpu.divisor_mode(2.0 ** -149)[0] == 1         # 1/f overflows to inf
+    assert gpu.divisor_mode(2.0 ** -127)[0] == 2
+    assert gpu.divisor_mode(-0.5) == (2, F32(-2.0))
+
+
+# ------------------------------------------------------------------ sparse decompress
+
+def sparse_payloads(n, p, k, seed, same_rows=False, kind="normal"):
+    rng = np.random.default_rng(seed)
+    idx = np.zeros((p, k), U32)
+    for r in range(p):
+        if r == 0 or not same_rows:
+            row = np.sort(rng.choice(n, k, replace=False)).astype(U32) if k else np.zeros(0, U32)
+        idx[r] = row
+    vals = gen(p * k, seed + 1, kind).reshape(p, k)
+    return np.ascontiguousarray(vals), idx
+
+
+@pytest.mark.parametrize("n,k", [(1, 1), (7, 0), (7, 3), (100, 100), (4097, 40), (300001, 3000)])
+@pytest.mark.parametrize("p", [1, 2, 5])
+@pytest.mark.parametrize("divisor", [1.0, 2.0, 3.0, -4.0, 7.1])
+@pytest.mark.parametrize("same_rows", [False, True])
+def test_sparse_decompress_sum(g, n, k, p, divisor, same_rows):
+    cp, gpu = g
+    vals, idx = sparse_payloads(n, p, k, n + p + k, same_rows)
+    want = np.full(n, 9.0, F32)
+    core.sparse_decompress_sum_array(vals, idx, want, divisor)
+    got = cp.full(n, 9.0, F32)
+    gpu.sparse_decompress_sum_array(cp.asarray(vals), cp.asarray(idx), got, divisor)
+    same(got.get(), want)
+    sizes = split_sizes(n, n + 5 * p)
+    outs_c = [np.full(s, 3.0, F32) for s in sizes]
+    pc, oc, cc = host_table(outs_c)
+    core.sparse_decompress_sum(vals, idx, pc, oc, cc, 0, len(sizes), divisor)
+    outs_g = [cp.full(s, 3.0, F32) for s in sizes]
+    pg, og, cg = dev_table(outs_g)
+    gpu.sparse_decompress_sum(cp.asarray(vals), cp.asarray(idx), pg, og, cg, 0, len(sizes), divisor)
+    for a, b in zip(outs_g, outs_c):
+        same(a.get(), b)
+
+
+@pytest.mark.parametrize("kind", ["special", "nonfinite", "negzero"])
+def test_sparse_decompress_special_and_unsorted(g, kind):
+    cp, gpu = g
+    n, p, k = 1000, 3, 200
+    vals, idx = sparse_payloads(n, p, k, 77, kind=kind)
+    idx[1] = idx[1][::-1]                     # not ascending: the serial path
+    idx[2, 5] = idx[2, 6]                     # a duplicate: added twice, in m order
+    want = np.empty(n, F32)
+    core.sparse_decompress_sum_array(vals, idx, want, 3.0)
+    got = cp.empty(n, F32)
+    gpu.sparse_decompress_sum_array(cp.asarray(vals), cp.asarray(idx), got, 3.0)
+    same(got.get(), want)
+
+
+def test_sparse_decompress_bad_index(g):
+    cp, gpu = g
+    vals, idx = sparse_payloads(50, 3, 10, 5)
+    idx[1, 7] = 50
+    idx[2, 0] = 99
+    with pytest.raises(ValueError) as cpu_err:
+        core.sparse_decompress_sum_array(vals, idx, np.zeros(50, F32), 1.0)
+    out = cp.full(50, 4.0, F32)
+    with pytest.raises(ValueError) as gpu_err:
+        gpu.sparse_decompress_sum_array(cp.asarray(vals), cp.asarray(idx), out, 1.0)
+    assert "index 50 at indices[1, 7]" in str(cpu_err.value) and "index 50 at indices[1, 7]" in str(gpu_err.value)
+    assert np.all(out.get() == 4.0)           # nothing written
