@@ -87,8 +87,9 @@ def _check_arrays(op, arrays, names, reduce):
             raise ValueError(f"{op}: tensor {name!r} is not C-contiguous")
 
 
-def _submit(ctx, op, build, job_of):
-    """Validate locally (``build`` returns (request, state)), then negotiate and run.
+def _runner(ctx, op, build, job_of):
+    """Validate locally (``build`` returns (request, state)); return the function that
+    negotiates and runs on the communication thread.
 
     A local validation error still takes part in the negotiation, so the other ranks
     raise too instead of waiting.
@@ -100,13 +101,18 @@ def _submit(ctx, op, build, job_of):
 
         def refuse():
             ctx.coordinator.negotiate(bad)
-        return ctx.engine.submit(refuse, op)
+        return refuse
     job = job_of(state)
 
     def run():
         ctx.coordinator.negotiate(request)
         return job()
-    return ctx.engine.submit(run, op)
+    return run
+
+
+def _submit(ctx, op, build, job_of, runner_only=False):
+    run = _runner(ctx, op, build, job_of)
+    return run if runner_only else ctx.engine.submit(run, op)
 
 
 def refuse_async(op, error, comm=None):
@@ -137,8 +143,11 @@ def _check_factor(op, name, value):
 
 # --- allreduce ---------------------------------------------------------------------
 def allreduce_async(arrays, op="average", names=None, prescale_factor=1.0, postscale_factor=1.0,
-                    comm=None, inplace=False):
+                    comm=None, inplace=False, runner_only=False):
     """Reduce each array across ranks with ``op``; returns a Handle of the result list.
+
+    With ``runner_only`` nothing is submitted: the function that negotiates and reduces
+    is returned, for a caller already on the communication thread (name matching).
 
     Args:
         arrays: list of numpy arrays (same names, shapes, dtypes on every rank).
@@ -182,7 +191,7 @@ def allreduce_async(arrays, op="average", names=None, prescale_factor=1.0, posts
             return outs
         return job
 
-    return _submit(ctx, "allreduce", build, job_of)
+    return _submit(ctx, "allreduce", build, job_of, runner_only)
 
 
 def allreduce(arrays, **kw):

@@ -30,6 +30,7 @@ Example:
     ...                                  {"learning_rate": 0.1}, compress="1bit")
 """
 import ctypes
+import itertools
 import json
 import os
 import pickle
@@ -46,6 +47,7 @@ from mxnet.base import _LIB, MXNetError, check_call
 from . import collectives as _coll
 from . import intake as _intake
 from . import runtime as _runtime
+from .control import Request
 from .errors import MismatchError, RemoteInputError
 from .pipeline import Pipeline
 
@@ -543,10 +545,11 @@ def _fence_started(rctx, on_complete, param):
 _FENCE_STARTED = _ENGINE_ASYNC(_fence_started)
 
 
-def _fence(ctx, nds, name):
+def _fence(ctx, nds, name, on_done=None):
     """Tell MXNet's engine that ``nds`` are being written by the collective just submitted
     to ``ctx``'s communication thread: MXNet operations issued afterwards that use them
-    wait until it has finished (as Horovod's engine ops do)."""
+    wait until it has finished (as Horovod's engine ops do). ``on_done(fn)`` registers
+    the completion when it is not simply the next job of the communication thread."""
     key = next(_fence_ids)
     naive = os.environ.get("MXNET_ENGINE_TYPE", "") == "NaiveEngine"
     state = {"cb": None, "finished": False, "naive": naive, "event": threading.Event()}
@@ -563,7 +566,10 @@ def _fence(ctx, nds, name):
         if cb is not None and not naive:
             _ENGINE_DONE(cb[0])(cb[1], cb[2], None)
 
-    ctx.engine.submit(finished, f"{name}.fence")     # FIFO: runs after the collective
+    if on_done is None:
+        ctx.engine.submit(finished, f"{name}.fence")     # FIFO: runs after the collective
+    else:
+        on_done(finished)
     c = nds[0].context
     dev = _DevCtx(c.device_typeid, c.device_id)
     check_call(_LIB.MXEnginePushAsyncND(
@@ -615,14 +621,6 @@ def _allreduce_async(tensors, inplace, average, name, prescale_factor, postscale
     return h, outs
 
 
-def _fenced(h, outs, comm):
-    """Fence the NDArray outputs of an async collective in MXNet's engine."""
-    nds = [o for o in outs if isinstance(o, mx.nd.NDArray)]
-    if nds:
-        _fence(_runtime.context(comm), nds, "allreduce")
-    return h
-
-
 def _allreduce(tensors, inplace, average, name, prescale_factor, postscale_factor,
                process_set, op, group):
     with _Span("allreduce", name if name is not None else "allreduce"):
@@ -632,32 +630,167 @@ def _allreduce(tensors, inplace, average, name, prescale_factor, postscale_facto
     return outs
 
 
+class _MatchedHandle:
+    """The future of an async allreduce that waits to be matched by name across ranks."""
+
+    __slots__ = ("name", "_event", "_error", "_callbacks", "_lock")
+
+    def __init__(self, name):
+        self.name = name
+        self._event = threading.Event()
+        self._error = None
+        self._callbacks = []
+        self._lock = threading.Lock()
+
+    def done(self):
+        return self._event.is_set()
+
+    def wait(self):
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+
+    def add_done(self, fn):
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def _finish(self, error=None):
+        with self._lock:
+            self._error = error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+
+class _Matcher:
+    """Matches async allreduces by name across the ranks of one communicator, in any order.
+
+    Every async call queues one *round* on the communication thread. In a round the
+    ranks first agree that they are all in a round (a negotiation, so a round never
+    pairs with another collective silently), then exchange the names they have pending,
+    and reduce the names pending on every rank, sorted by name. Rounds pair up one to
+    one, so the k-th round on every rank sees at least the first k async calls of every
+    rank: by the last round every name issued everywhere has been reduced. Blocking
+    collectives stay matched by order, and the number of async calls between two of
+    them must agree across ranks.
+    """
+
+    def __init__(self, ctx):
+        self.ctx = ctx
+        self.pending = OrderedDict()
+        self.lock = threading.Lock()
+
+    def add(self, name, run, handle):
+        with self.lock:
+            if name in self.pending:
+                raise ValueError(f"an async allreduce named {name!r} is already in flight on this rank")
+            self.pending[name] = (run, handle)
+        self.ctx.engine.submit(self._round, "allreduce.match")
+
+    def _round(self):
+        ctx = self.ctx
+        comm = ctx.comm
+        try:
+            ctx.coordinator.negotiate(Request("allreduce (async, matched by name)"))
+            with self.lock:
+                mine = list(self.pending)
+            if comm.size == 1:
+                everyone = [mine]
+            else:
+                req = comm.ctl_iallgather_bytes(json.dumps(mine).encode())
+                while not comm.test(req):
+                    time.sleep(1e-4)
+                everyone = [json.loads(b) for b in req.result()]
+        except BaseException as exc:       # fail what waits here, rather than hang it
+            with self.lock:
+                failed, self.pending = list(self.pending.values()), OrderedDict()
+            for _, handle in failed:
+                handle._finish(exc)
+            return
+        common = sorted(set(everyone[0]).intersection(*(set(e) for e in everyone[1:])))
+        for name in common:
+            with self.lock:
+                run, handle = self.pending.pop(name)
+            try:
+                run()
+            except BaseException as exc:
+                handle._finish(exc)
+            else:
+                handle._finish()
+
+
+_matchers = {}
+
+
+def _matcher(ctx):
+    m = _matchers.get(id(ctx))
+    if m is None or m.ctx is not ctx:
+        m = _matchers[id(ctx)] = _Matcher(ctx)
+    return m
+
+
+_async_names = {}
+
+
+def _allreduce_matched(tensors, inplace, average, name, prescale_factor, postscale_factor,
+                       process_set, op, group):
+    """Start an allreduce matched by name across ranks; returns (handle, outputs)."""
+    comm = _comm_of(process_set)
+    ctx = _runtime.context(comm)
+    try:
+        op = _resolve_op(op, average)
+    except (ValueError, NotImplementedError) as exc:
+        return _coll.refuse_async("allreduce", exc, comm), list(tensors)
+    if name is None:
+        counter = _async_names.setdefault(id(ctx), itertools.count())
+        name = f"allreduce_async.noname.{next(counter)}"
+    name = str(name)
+    names = _group_names(name, len(tensors)) if group else [name]
+    outs = list(tensors) if inplace else [t.copy() if isinstance(t, mx.nd.NDArray) else t
+                                          for t in tensors]
+    views = [_view(t, names[i]) for i, t in enumerate(outs)]
+    run = _coll.allreduce_async(views, op=_OP_NAMES[op], names=names, prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, comm=comm, inplace=True,
+                                runner_only=True)
+    handle = _MatchedHandle(name)
+    _matcher(ctx).add(name, run, handle)
+    nds = [o for o in outs if isinstance(o, mx.nd.NDArray)]
+    if nds:     # after add: NaiveEngine runs the fence at once and waits for the round
+        _fence(ctx, nds, name, handle.add_done)
+    return handle, outs
+
+
 def allreduce_async(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set, op=None):
     """Start ``allreduce`` and return an ``AsyncHandle`` whose ``wait()`` gives the result.
 
     gradfuse extension (Horovod's MXNet binding has no handles; its PyTorch one does).
-    Async calls are matched in the order they are made, like blocking ones.
+    Async calls are matched by ``name`` across ranks, in any order (see ``_Matcher``);
+    unnamed ones by their order.
     """
-    h, outs = _allreduce_async([tensor], False, average, name, prescale_factor,
-                               postscale_factor, process_set, op, False)
-    return AsyncHandle(_fenced(h, outs, _comm_of(process_set)), outs[0])
+    h, outs = _allreduce_matched([tensor], False, average, name, prescale_factor,
+                                 postscale_factor, process_set, op, False)
+    return AsyncHandle(h, outs[0])
 
 
 def allreduce_async_(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set, op=None):
     """In-place ``allreduce_async``: ``wait()`` returns ``tensor`` holding the result."""
-    h, outs = _allreduce_async([tensor], True, average, name, prescale_factor,
-                               postscale_factor, process_set, op, False)
-    return AsyncHandle(_fenced(h, outs, _comm_of(process_set)), outs[0])
+    h, outs = _allreduce_matched([tensor], True, average, name, prescale_factor,
+                                 postscale_factor, process_set, op, False)
+    return AsyncHandle(h, outs[0])
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set, op=None):
     """In-place ``grouped_allreduce`` started now; ``wait()`` returns ``tensors``."""
-    h, outs = _allreduce_async(list(tensors), True, average, name, prescale_factor,
-                               postscale_factor, process_set, op, True)
-    return AsyncHandle(_fenced(h, outs, _comm_of(process_set)), tensors)
+    h, _ = _allreduce_matched(list(tensors), True, average, name, prescale_factor,
+                              postscale_factor, process_set, op, True)
+    return AsyncHandle(h, tensors)
 
 
 def synchronize(handle):

@@ -391,3 +391,40 @@ def test_async_outputs_are_fenced_in_mxnet_engine(world):
     sums = [(o.wait() + 1).asnumpy() for o in outs]
     for s_ in sums:
         np.testing.assert_array_equal(s_, np.full(10, world.size))
+
+
+def test_async_matched_by_name_in_any_order(world):
+    """Like Horovod: async allreduces pair up by name, whatever order each rank issues them."""
+    names = [f"anyorder.{i}" for i in range(4)]
+    order = names[world.rank % len(names):] + names[:world.rank % len(names)]
+    if world.rank % 2:
+        order = order[::-1]
+    xs = {n: mx.nd.ones((5,)) * (i + 1) * (world.rank + 1) for i, n in enumerate(names)}
+    handles = {n: hvd.allreduce_async_(xs[n], op=hvd.Sum, name=n) for n in order}
+    for i, n in enumerate(names):
+        assert handles[n].wait() is xs[n]
+        np.testing.assert_array_equal(xs[n].asnumpy(),
+                                      np.full(5, (i + 1) * sum(range(1, world.size + 1))))
+    # async calls around a blocking one: any order on each side of it
+    a, b = mx.nd.ones((3,)) * world.rank, mx.nd.ones((3,)) * 10 * world.rank
+    first, second = ("aa", "bb") if world.rank == 0 else ("bb", "aa")
+    arrays = {"aa": a, "bb": b}
+    h1 = hvd.allreduce_async_(arrays[first], op=hvd.Sum, name=first)
+    blocking = hvd.allreduce(mx.nd.ones((2,)), op=hvd.Sum, name="between")
+    h2 = hvd.allreduce_async_(arrays[second], op=hvd.Sum, name=second)
+    h1.wait(), h2.wait()
+    np.testing.assert_array_equal(blocking.asnumpy(), np.full(2, world.size))
+    total = sum(range(world.size))
+    np.testing.assert_array_equal(a.asnumpy(), np.full(3, total))
+    np.testing.assert_array_equal(b.asnumpy(), np.full(3, 10 * total))
+    # a name whose shape differs across ranks: the error reaches every rank's wait()
+    h = hvd.allreduce_async(mx.nd.ones((2 + world.rank,)), name="anyorder.bad")
+    with pytest.raises(MismatchError, match="shape"):
+        h.wait()
+    with pytest.raises(ValueError, match="already in flight"):
+        x = mx.nd.ones((2,))
+        h = hvd.allreduce_async_(x, name="dup")
+        try:
+            hvd.allreduce_async_(mx.nd.ones((2,)), name="dup")
+        finally:
+            h.wait()
