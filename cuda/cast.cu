@@ -15,10 +15,6 @@
 // full warps and no thread returns early), grid-stride loops; table kernels put rows on
 // blockIdx.y (strided by gridDim.y) and stride over a row's elements with blockIdx.x.
 
-typedef unsigned short gf_u16;
-typedef unsigned int gf_u32;
-typedef long long gf_i64;
-typedef unsigned long long gf_u64;
 
 #define GF_FMT_F16 1
 #define GF_FMT_BF16 2
@@ -26,7 +22,6 @@ typedef unsigned long long gf_u64;
 #define GF_F16_UND 0x33000000u
 #define GF_BF16_OVF 0x7f7f8000u
 #define GF_BF16_UND 0x00008000u
-#define GF_FULL 0xffffffffu
 
 // numpy's npy_floatbits_to_halfbits (= gf_float_to_half), on the bit pattern f
 __device__ __forceinline__ gf_u16 gf_f32bits_to_half(gf_u32 f)

@@ -11,10 +11,6 @@
 // blockIdx.x stride over the row's 16-byte (else 4-byte, else 1-byte) words. The width
 // is picked per row from the alignment of both addresses and of the byte count.
 
-typedef unsigned char gf_u8;
-typedef unsigned int gf_u32;
-typedef long long gf_i64;
-typedef unsigned long long gf_u64;
 
 struct __align__(16) gf_v16 { gf_u32 a, b, c, d; };
 

@@ -14,9 +14,6 @@
 // gf_sparse_check) goes through the serial kernel instead, which adds in m order like
 // the CPU. Then one division pass.
 
-typedef unsigned int gf_u32;
-typedef long long gf_i64;
-typedef unsigned long long gf_u64;
 
 // info[0]: smallest flat position r*k+m with an index >= n (atomicMin; starts at ~0);
 // info[1]: number of pairs indices[r, m-1] >= indices[r, m] (a row not strictly ascending).

@@ -11,51 +11,9 @@
 // past n carry code 0 (padding codes are 0). Non-finite c: a ballot per iteration,
 // popcounted in a register, one atomicAdd per warp at the end.
 
-typedef unsigned char gf_u8;
-typedef unsigned int gf_u32;
-typedef long long gf_i64;
-typedef unsigned long long gf_u64;
 
-#define GF_FULL 0xffffffffu
 
-struct gf_src_array {
-    const float* x;
-    __device__ __forceinline__ float get(gf_i64 j) { return x[j]; }
-};
-
-// Rows lo..hi-1 of the plan's table, dense element offsets from 0 (see onebit.cu).
-struct gf_src_table {
-    const gf_i64* ptrs;
-    const gf_i64* offsets;
-    const gf_i64* counts;
-    gf_i64 lo, hi;
-    gf_i64 rbeg, rend;
-    const float* base;
-
-    __device__ __forceinline__ void init(const gf_i64* p, const gf_i64* o, const gf_i64* c,
-                                         gf_i64 l, gf_i64 h)
-    {
-        ptrs = p; offsets = o; counts = c; lo = l; hi = h; rbeg = 0; rend = 0; base = 0;
-    }
-
-    __device__ __forceinline__ void seek(gf_i64 j)
-    {
-        gf_i64 a = lo, b = hi - 1;
-        while (a < b) {
-            gf_i64 m = a + ((b - a + 1) >> 1);
-            if (offsets[m] <= j) a = m; else b = m - 1;
-        }
-        rbeg = offsets[a];
-        rend = rbeg + counts[a];
-        base = (const float*)ptrs[a];
-    }
-
-    __device__ __forceinline__ float get(gf_i64 j)
-    {
-        if (j >= rend || j < rbeg) seek(j);
-        return base[j - rbeg];
-    }
-};
+// gf_src_array / gf_src_table: common.cuh
 
 template <class Src>
 __device__ __forceinline__ void gf_twobit_compress_body(Src& src, gf_i64 n, const float* e_in,

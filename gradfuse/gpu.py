@@ -48,8 +48,24 @@ def _checkout_file(name):
     return None
 
 
+PRELUDE = "common.cuh"
+
+
 def source(name):
-    """Text of kernel file ``name`` (``"onebit.cu"``).
+    """The compilable text of kernel file ``name`` (``"onebit.cu"``).
+
+    A ``.cu`` file comes with the shared prelude ``cuda/common.cuh`` (types, the table
+    cursor) in front of it and a ``#line`` directive, so compiler messages still point
+    into the ``.cu`` file.
+    """
+    text = _read(name)
+    if name.endswith(".cu"):
+        text = _read(PRELUDE) + f'\n#line 1 "{name}"\n' + text
+    return text
+
+
+def _read(name):
+    """Text of one file of ``cuda/``.
 
     In a source checkout (``setup.py build_ext --inplace``, as scripts/gpu_check.sh
     builds) the checkout's own ``cuda/``: an editable install of another checkout must

@@ -29,8 +29,9 @@ def _nvcc():
 
 
 def _source(name):
-    with open(os.path.join(CUDA_DIR, name)) as f:
-        return f.read()
+    """What NVRTC compiles: the prelude (cuda/common.cuh) + the file, as gradfuse.gpu builds it."""
+    from gradfuse import gpu
+    return gpu.source(name)
 
 
 def test_files_present():
@@ -43,10 +44,13 @@ def test_nvcc_compiles_every_kernel_sm80_sm90():
     nvcc = _nvcc()
     with tempfile.TemporaryDirectory() as tmp:
         def build(name):
+            unit = os.path.join(tmp, name)
+            with open(unit, "w") as f:
+                f.write(_source(name))
             cmd = [nvcc, "-std=c++14", "--fmad=false", "-c",
                    "-gencode", "arch=compute_80,code=sm_80",
                    "-gencode", "arch=compute_90,code=sm_90",
-                   "-o", os.path.join(tmp, name + ".o"), os.path.join(CUDA_DIR, name)]
+                   "-o", os.path.join(tmp, name + ".o"), unit]
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             return name, p.returncode, p.stdout + p.stderr
 
