@@ -9,7 +9,7 @@ Run under ``mpiexec -n N python train.py``. See README.md and docs/.
 from . import comm, compressors
 from .compressors import register_compressor
 from .engine import Handle
-from .errors import GradfuseError, MismatchError, RemoteInputError, StallError
+from .errors import GradfuseError, MismatchError, NonFiniteError, RemoteInputError, StallError
 from .pipeline import Pipeline
 from .runtime import init, is_initialized
 from . import runtime as _runtime
@@ -53,4 +53,4 @@ def cross_size():
 
 __all__ = ["Pipeline", "Handle", "init", "is_initialized", "rank", "size", "local_rank",
            "local_size", "cross_rank", "cross_size", "comm", "compressors", "register_compressor",
-           "GradfuseError", "MismatchError", "RemoteInputError", "StallError"]
+           "GradfuseError", "MismatchError", "NonFiniteError", "RemoteInputError", "StallError"]

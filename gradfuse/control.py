@@ -29,7 +29,7 @@ import warnings
 from . import config
 from .errors import MismatchError, RemoteInputError
 
-_MSG = struct.Struct("<Q16s")
+_MSG = struct.Struct("<Q16sQ")     # sequence number, request digest, step tag
 OK, MISMATCH = 0, 1
 
 
@@ -60,7 +60,9 @@ class Request:
         d = {"op": self.op, "names": self.names, "shapes": self.shapes,
              "dtypes": self.dtypes, "options": self.options}
         if self.error is not None:
-            d = {"op": self.op, "error": str(self.error)}
+            e = self.error
+            text = str(e) if isinstance(e, (TypeError, ValueError)) else f"{type(e).__name__}: {e}"
+            d = {"op": self.op, "error": text}
         return d
 
     @property
@@ -135,6 +137,10 @@ def explain(descs):
         col = [d["options"].get(k) for d in descs]
         if len(set(json.dumps(c, sort_keys=True) for c in col)) > 1:
             return _disagreement(f"{op}: option {k!r}", col)
+    steps = [d.get("step", 0) for d in descs]
+    if len(set(steps)) > 1:
+        return _disagreement(f"{op}: compressor step counter (drives warm-up and random-k; were the "
+                             f"ranks restored from different checkpoints?)", steps)
     return f"{op}: ranks disagree, but their descriptions are identical (digest collision?)"
 
 
@@ -147,8 +153,12 @@ class Coordinator:
         self.negotiations = 0
         self.mismatches = 0
 
-    def negotiate(self, request):
-        """Return when all ranks proposed the same ``request``; raise on every rank if not."""
+    def negotiate(self, request, step=0):
+        """Return when all ranks proposed the same ``request``; raise on every rank if not.
+
+        ``step`` is a per-call number that must also agree (a pipeline's compressor step
+        counter); it travels beside the digest, so it costs nothing extra.
+        """
         self.seq += 1
         self.negotiations += 1
         comm = self.comm
@@ -156,7 +166,7 @@ class Coordinator:
             if request.error is not None:
                 raise request.error
             return
-        msg = _MSG.pack(self.seq, request.digest)
+        msg = _MSG.pack(self.seq, request.digest, int(step) & 0xFFFFFFFFFFFFFFFF)
         verdict = bytearray(1)
         if comm.rank == 0:
             bufs = [bytearray(_MSG.size) for _ in range(comm.size - 1)]
@@ -170,12 +180,15 @@ class Coordinator:
             self._wait([send, bcast], request, lambda pending: [0])
         if verdict[0] == MISMATCH:
             self.mismatches += 1
-            gather = comm.ctl_iallgather_bytes(json.dumps(request.describe()).encode())
+            desc = dict(request.describe(), step=int(step))
+            gather = comm.ctl_iallgather_bytes(json.dumps(desc).encode())
             self._wait([gather], request, lambda p: ["(some)"])
             descs = [json.loads(b) for b in gather.result()]
             message = explain(descs)
             if request.error is not None:
-                raise type(request.error)(message)
+                if isinstance(request.error, (TypeError, ValueError)):
+                    raise type(request.error)(message) from request.error
+                raise request.error        # any other local error: the original, with its traceback
             if any("error" in d for d in descs):
                 raise RemoteInputError(message)
             raise MismatchError(message)

@@ -21,6 +21,7 @@ where the sum fits.
 Non-contiguous inputs are copied to contiguous ones before packing; outputs (and the
 in-place variant's inputs) must be C-contiguous and writable, else ``ValueError``.
 """
+import threading
 from collections import OrderedDict
 
 import numpy as np
@@ -128,6 +129,11 @@ def _problems(writable):
     return mask | _core.FLAG_READONLY if writable else mask
 
 
+def _as_ndarray(obj):
+    """A numpy view of a buffer exporter (no copy)."""
+    return obj if isinstance(obj, np.ndarray) else np.asarray(memoryview(obj))
+
+
 def _dtype_of(obj):
     try:
         return np.asarray(memoryview(obj)).dtype
@@ -202,20 +208,29 @@ class Pipeline:
 
     def __init__(self, compress=None, fusion_threshold=None, average=True, comm=None,
                  direct_threshold=None, **compressor_options):
-        self.compressor = _compressors.create(compress, **compressor_options)
-        self.fusion_threshold = config.fusion_threshold(fusion_threshold)
+        self._compressor = _compressors.create(compress, **compressor_options)
+        self._fusion_threshold = config.fusion_threshold(fusion_threshold)
         if direct_threshold is not None:
             direct_threshold = config.fusion_threshold(direct_threshold)
-        self.direct_threshold = direct_threshold
+        self._direct_threshold = direct_threshold
         if not isinstance(average, (bool, np.bool_)):
             raise TypeError(f"average must be True or False, got {average!r}")
-        self.average = bool(average)
+        self._average = bool(average)
+        self._lock = threading.Lock()
         self._ctx = runtime.context(comm)
         self.comm = self._ctx.comm
         self._plans = OrderedDict()
         self.stats = Stats()
         self.state = CompressionState()
         self._wire_cache = {}
+
+    # Read-only: plans, agreement digests and residuals are built from these, so a
+    # pipeline's configuration is fixed at construction (make a new Pipeline to change it).
+    compressor = property(lambda self: self._compressor, doc="The compressor (fixed at construction).")
+    fusion_threshold = property(lambda self: self._fusion_threshold, doc="Bucket size limit in bytes.")
+    direct_threshold = property(lambda self: self._direct_threshold,
+                                doc="Tensors of at least this many bytes are reduced in place.")
+    average = property(lambda self: self._average, doc="Whether results are averaged.")
 
     # --- public API ---------------------------------------------------------------
     def allreduce(self, grads, out=None, names=None):
@@ -239,12 +254,15 @@ class Pipeline:
         ``handle.wait()`` returns what ``allreduce`` returns. Do not touch the inputs
         or outputs until then.
         """
-        try:
-            run = self._prepare(grads, out, names)
-        except (TypeError, ValueError) as exc:
-            request = Request("allreduce", error=exc)
-            return self._ctx.engine.submit(lambda: self._refuse(request), "allreduce")
-        return self._ctx.engine.submit(run, "allreduce")
+        with self._lock:       # plan cache and submission order: one caller thread at a time
+            try:
+                run = self._prepare(grads, out, names)
+            except Exception as exc:
+                # whatever went wrong here is announced to the other ranks, so that they raise
+                # too instead of waiting for this rank (or pairing with its next call)
+                request = Request("allreduce", error=exc)
+                return self._ctx.engine.submit(lambda: self._refuse(request), "allreduce")
+            return self._ctx.engine.submit(run, "allreduce")
 
     def state_dict(self):
         """This rank's compressor state (residuals, server residuals, step counter).
@@ -301,7 +319,12 @@ class Pipeline:
     # --- internals ----------------------------------------------------------------
     def _refuse(self, request):
         self.stats.failed_steps += 1
-        self._ctx.coordinator.negotiate(request)      # raises on every rank
+        self._ctx.coordinator.negotiate(request, self._step_tag())      # raises on every rank
+
+    def _step_tag(self):
+        """What of the compressor state the ranks must agree on: its step counter (it drives
+        warm-up and random-k's positions). 0 for lossless pipelines."""
+        return 0 if self._compressor.lossless else self.state.step
 
     def _options(self):
         return {"average": self.average, "compress": self.compressor.get_config(),
@@ -365,7 +388,10 @@ class Pipeline:
         self._plans[key] = entry
         self.stats.plans_built += 1
         if len(self._plans) > _PLAN_CACHE:
-            self._plans.popitem(last=False)
+            _, old = self._plans.popitem(last=False)
+            gone = old.request.digest.hex()
+            for key in [k for k in self._wire_cache if k[0] == gone]:
+                del self._wire_cache[key]
         return entry
 
     def _prepare(self, grads, out, names):
@@ -401,6 +427,12 @@ class Pipeline:
         src = in_ptrs[plan.order]
         dst = out_ptrs[plan.order]
         inplace = bool(np.array_equal(src, dst))
+        # tensors reduced where they lie go to the communicator as numpy views
+        in_objs, out_objs = list(in_objs), list(out_objs)
+        for b in plan.buckets:
+            if b.direct:
+                i = int(plan.order[b.lo])
+                in_objs[i], out_objs[i] = _as_ndarray(in_objs[i]), _as_ndarray(out_objs[i])
         ctx, stats = self._ctx, self.stats
         average = self.average
         comp = self.compressor
@@ -408,7 +440,7 @@ class Pipeline:
         def run():
             comm = ctx.comm
             try:
-                ctx.coordinator.negotiate(entry.request)
+                ctx.coordinator.negotiate(entry.request, self._step_tag())
             except BaseException:
                 stats.failed_steps += 1
                 raise
@@ -478,7 +510,8 @@ class Pipeline:
                                   self._wire_cache.setdefault(key, {}), self.stats)
             job.start()
             jobs[b.index] = job
-        state.claim_done({digest})
+        if jobs:
+            state.claim_done(digest)
         bad = [j for j in jobs.values() if j.nonfinite_ranks]
         if bad:
             self.stats.nonfinite_steps += 1

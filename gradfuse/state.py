@@ -40,7 +40,8 @@ class CompressionState:
         self.step = 0                 # compressed-or-warm-up steps completed
         self.buckets = {}             # (digest hex, bucket index) -> BucketState
         self.pending = {}             # restored, not yet claimed by a plan
-        self.restored_from = None
+        self._fresh_restore = False   # no compressed step since the last restore
+        self._claimed_any = False
 
     def bucket(self, key, n, server_n, algorithm):
         st = self.buckets.get(key)
@@ -48,6 +49,7 @@ class CompressionState:
             st = BucketState(n, server_n, algorithm)
             saved = self.pending.pop(key, None)
             if saved is not None:
+                self._claimed_any = True
                 if saved["n"] == n and saved["server_residual"].size == server_n:
                     st.cur[...] = saved["residual"]
                     st.server_cur[...] = saved["server_residual"]
@@ -58,13 +60,21 @@ class CompressionState:
         st.algorithm = algorithm
         return st
 
-    def claim_done(self, plan_keys):
-        """After a plan has taken its buckets: drop restored residuals no bucket matched."""
-        if self.pending and not any(k[0] in plan_keys for k in self.pending):
-            warnings.warn(f"gradfuse: {len(self.pending)} checkpointed residual(s) belong to a bucket "
-                          f"layout that is not in use (names, shapes, options or fusion threshold "
-                          f"changed); they were discarded", RuntimeWarning, stacklevel=3)
-            self.pending.clear()
+    def claim_done(self, digest):
+        """After a compressed step of plan ``digest`` has taken its buckets' residuals.
+
+        Restored residuals of other layouts stay pending (a pipeline may alternate between
+        several tensor sets, and each claims its own on its first step) and stay in
+        ``state_dict()``; but if the first compressed step after a restore finds none of its
+        own, the layout changed: that is reported once, and this layout starts from zero.
+        """
+        if self._fresh_restore:
+            self._fresh_restore = False
+            if self.pending and not self._claimed_any:
+                warnings.warn(f"gradfuse: {len(self.pending)} checkpointed residual(s) belong to a bucket "
+                              f"layout that is not in use (names, shapes, options or fusion threshold "
+                              f"changed); this layout starts from zero residuals, and they are kept "
+                              f"only for a layout that matches them", RuntimeWarning, stacklevel=3)
 
     def state_dict(self, config, world_size, rank):
         buckets = {}
@@ -95,6 +105,7 @@ class CompressionState:
             warnings.warn(f"gradfuse: loading rank {sd.get('rank')}'s compressor state on rank {rank}; "
                           f"each rank should load its own file", RuntimeWarning, stacklevel=3)
         self.step = int(sd["step"])
+        self._fresh_restore, self._claimed_any = True, False
         for key, saved in sd["buckets"].items():
             digest, b = key.rsplit("/", 1)
             self.pending[(digest, int(b))] = {

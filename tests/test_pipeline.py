@@ -171,3 +171,11 @@ def test_async_handle(comm):
     h = pipe.allreduce_async([np.ones(3)])
     assert h.wait(timeout=30)[0].tolist() == [1, 1, 1]
     assert h.done()
+
+
+def test_configuration_is_read_only(comm):
+    pipe = gradfuse.Pipeline(comm=comm)
+    for attr, value in (("average", False), ("fusion_threshold", 0), ("direct_threshold", 1),
+                        ("compressor", None)):
+        with pytest.raises(AttributeError):
+            setattr(pipe, attr, value)

@@ -233,9 +233,13 @@ def test_restore_onto_other_world_size_or_layout_resets_with_warning(world):
     assert b.state_dict()["buckets"] == {} and b.state_dict()["step"] == 0
     c = gradfuse.Pipeline(compress="1bit", fusion_threshold=512)
     assert c.load_state_dict(sd)
+    fresh = gradfuse.Pipeline(compress="1bit", fusion_threshold=512)
+    fresh.load_state_dict(dict(sd, buckets={}))                    # same step, no residuals
+    other = grads_for(world.rank, 1, sizes=(5, 6))                  # different tensors
     with pytest.warns(RuntimeWarning, match="bucket layout that is not in use"):
-        c.allreduce(grads_for(world.rank, 1, sizes=(5, 6)))       # different tensors
-    assert len(c.state_dict()["buckets"]) == 1        # only the new layout's bucket remains
+        got = c.allreduce(other)
+    want = fresh.allreduce(other)
+    assert all(bits(got[k]) == bits(want[k]) for k in got)          # the old residual was not applied
     d = gradfuse.Pipeline(compress="1bit", fusion_threshold=512, block_size=64)
     with pytest.warns(RuntimeWarning, match="saved with compressor"):
         assert not d.load_state_dict(sd)
@@ -277,3 +281,36 @@ def test_algorithm_choice_is_recorded(world):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gradfuse.Pipeline(**pipe.get_config())
+
+
+def test_restore_with_several_plans_keeps_every_plans_residuals(world):
+    """A pipeline that alternates two tensor sets: each set claims its own residuals."""
+    sets = [lambda s: {"a": np.random.default_rng([s, world.rank]).standard_normal(300).astype(np.float32)},
+            lambda s: {"b": np.random.default_rng([s, world.rank, 1]).standard_normal(77).astype(np.float32),
+                       "loss": np.ones(1)}]
+    a = gradfuse.Pipeline(compress="topk", ratio=0.1)
+    for s in range(2):
+        for make in sets:
+            a.allreduce(make(s))
+    b = gradfuse.Pipeline(compress="topk", ratio=0.1)
+    b.load_state_dict(a.state_dict())
+    gradfuse.Pipeline(average=False).allreduce({"metric": np.ones(1)})      # unrelated, uncompressed
+    b.allreduce({"metric64": np.ones(1)})                 # a step of b without compressed buckets
+    for s in range(2, 4):
+        for make in sets:
+            x, y = a.allreduce(make(s)), b.allreduce(make(s))
+            assert all(bits(x[k]) == bits(y[k]) for k in x), s
+
+
+def test_step_counters_must_agree(world):
+    if world.size < 2:
+        pytest.skip("needs 2 ranks")
+    pipe = gradfuse.Pipeline(compress="randomk", ratio=0.5)
+    g = {"w": np.ones(8, np.float32)}
+    pipe.allreduce(g)
+    sd = pipe.state_dict()
+    if world.rank == 1:
+        sd = dict(sd, step=5)                    # as if restored from another checkpoint
+    pipe.load_state_dict(sd)
+    with pytest.raises(gradfuse.MismatchError, match=r"compressor step counter .*: ranks? 0.* sent 1, rank 1 sent 5"):
+        pipe.allreduce(g)

@@ -100,3 +100,31 @@ def test_stall_warning_names_missing_rank(world, monkeypatch):
         assert stalls and "waiting for rank 1" in stalls[0], stalls
     elif world.rank == 1:
         assert not stalls
+
+
+def test_any_local_error_is_announced(world):
+    """Not only TypeError/ValueError: a producer that cannot export its buffer, for example."""
+    class Unexportable:
+        def __dlpack__(self, **kw):
+            raise BufferError("cannot export (e.g. a torch tensor that requires grad)")
+    pipe = gradfuse.Pipeline()
+    bad = {"w": f32(3)} if world.rank != 1 else {"w": Unexportable()}
+    with pytest.raises(Exception) as info:
+        pipe.allreduce(bad)
+    if world.rank == 1:
+        assert isinstance(info.value, BufferError)
+    else:
+        assert isinstance(info.value, gradfuse.RemoteInputError)
+        assert "rank 1 rejected its input for allreduce: BufferError: cannot export" in str(info.value)
+    ok = pipe.allreduce({"w": f32(3)})                       # and the ranks stay in step
+    assert np.array_equal(ok["w"], f32(3))
+
+
+def test_buffer_exporters_reduced_in_place(world):
+    """memoryview / array.array tensors, also large enough to skip packing."""
+    import array
+    pipe = gradfuse.Pipeline(fusion_threshold=0, average=False)
+    a = array.array("f", [1.0] * 5)
+    m = memoryview(bytearray(np.full(4, 2.0, np.float32).tobytes())).cast("f")
+    out = pipe.allreduce_([a, m])
+    assert list(out[0]) == [float(world.size)] * 5 and list(out[1]) == [2.0 * world.size] * 4
