@@ -8,7 +8,8 @@ Protocol, per collective (run on the communication thread, in submission order):
    non-blocking send; rank 0 posts one receive per rank. Because each rank's message
    arrives separately, rank 0 always knows which ranks have not arrived yet.
 3. Rank 0 compares the digests and broadcasts a one-byte verdict (non-blocking).
-   The repeated case thus costs p-1 messages of 24 bytes and a 1-byte broadcast.
+   The repeated case thus costs p-1 messages of 32 bytes (sequence number, digest and
+   the step tag of a compressed pipeline) and a 1-byte broadcast.
 4. On a mismatch every rank gathers every rank's full description (JSON, never
    pickle) and computes the same error message from the same data, so every rank
    raises the same ``MismatchError`` naming the tensor, the ranks and both values.

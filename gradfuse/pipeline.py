@@ -274,8 +274,9 @@ class Pipeline:
 
     def load_state_dict(self, sd):
         """Restore a ``state_dict()``. A state from another world size or compressor config
-        is reset with a warning; residuals of a bucket layout not in use are dropped with a
-        warning when the next step runs. Returns True if the state was restored."""
+        is reset with a warning; a residual is only applied to the bucket it was saved for
+        (a changed layout is reported by a warning at the next compressed step). Every rank
+        must restore the same step. Returns True if the state was restored."""
         return self.state.load_state_dict(sd, self.compressor.get_config(), self.comm.size, self.comm.rank)
 
     def save_state(self, path):

@@ -8,7 +8,8 @@ rank has agreed the step was finite.
 
 ``state_dict()`` holds plain numpy arrays and JSON-able values; restoring it is bit-exact.
 A state saved with another world size or compressor config is reset with a warning; a
-residual saved for a bucket layout that no longer exists is dropped with a warning.
+residual is only ever applied to the bucket it was saved for; when the first compressed
+step after a restore finds none of its own, a warning says the layout changed.
 """
 import warnings
 
