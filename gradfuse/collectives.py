@@ -142,6 +142,25 @@ def _check_factor(op, name, value):
 
 
 # --- allreduce ---------------------------------------------------------------------
+def _reduce_request(what, names, arrays, op, prescale_factor, postscale_factor, ctx):
+    """The agreed request of a reducing collective, and its checked scale factors."""
+    pre = _check_factor(what, "prescale_factor", prescale_factor)
+    post = _check_factor(what, "postscale_factor", postscale_factor)
+    req = Request(what, names, [a.shape for a in arrays], [str(a.dtype) for a in arrays],
+                  {"op": op, "prescale_factor": pre, "postscale_factor": post, "size": ctx.comm.size})
+    return req, (pre, post)
+
+
+def _divide_by_size(a, size):
+    """Average after the sum, in place: floats in their own arithmetic (float16 through
+    float32), integers truncated toward zero as Horovod does."""
+    if a.dtype.kind == "f":
+        np.divide(a, np.float32(size) if a.dtype == np.float16 else a.dtype.type(size),
+                  out=a, casting="unsafe")
+    else:
+        np.copyto(a, np.trunc(a / float(size)), casting="unsafe")
+
+
 def allreduce_async(arrays, op="average", names=None, prescale_factor=1.0, postscale_factor=1.0,
                     comm=None, inplace=False, runner_only=False):
     """Reduce each array across ranks with ``op``; returns a Handle of the result list.
@@ -163,13 +182,8 @@ def allreduce_async(arrays, op="average", names=None, prescale_factor=1.0, posts
         nm = _names("allreduce", names, len(arrays), ctx)
         if op not in REDUCE_OPS:
             raise ValueError(f"allreduce: unknown op {op!r}; valid: {', '.join(REDUCE_OPS)}")
-        pre = _check_factor("allreduce", "prescale_factor", prescale_factor)
-        post = _check_factor("allreduce", "postscale_factor", postscale_factor)
         _check_arrays("allreduce", arrays, nm, reduce=True)
-        req = Request("allreduce", nm, [a.shape for a in arrays], [str(a.dtype) for a in arrays],
-                      {"op": op, "prescale_factor": pre, "postscale_factor": post,
-                       "size": ctx.comm.size})
-        return req, (pre, post)
+        return _reduce_request("allreduce", nm, arrays, op, prescale_factor, postscale_factor, ctx)
 
     def job_of(state):
         pre, post = state
@@ -182,11 +196,7 @@ def allreduce_async(arrays, op="average", names=None, prescale_factor=1.0, posts
                 if a.size:
                     c.allreduce_op(a, a, "sum" if op == "average" else op)
                 if op == "average":
-                    if a.dtype.kind == "f":
-                        np.divide(a, np.float32(c.size) if a.dtype == np.float16 else a.dtype.type(c.size),
-                                  out=a, casting="unsafe")
-                    else:
-                        np.copyto(a, np.trunc(a / float(c.size)), casting="unsafe")
+                    _divide_by_size(a, c.size)
                 _scale(a, post)
             return outs
         return job
@@ -353,14 +363,9 @@ def reducescatter_async(arrays, op="average", names=None, prescale_factor=1.0,
         nm = _names("reducescatter", names, len(arrays), ctx)
         if op not in ("sum", "average"):
             raise ValueError(f"reducescatter: op must be Sum or Average, got {op!r}")
-        pre = _check_factor("reducescatter", "prescale_factor", prescale_factor)
-        post = _check_factor("reducescatter", "postscale_factor", postscale_factor)
         _check_arrays("reducescatter", arrays, nm, reduce=True)
         _need_dim("reducescatter", arrays, nm)
-        req = Request("reducescatter", nm, [a.shape for a in arrays], [str(a.dtype) for a in arrays],
-                      {"op": op, "prescale_factor": pre, "postscale_factor": post,
-                       "size": ctx.comm.size})
-        return req, (pre, post)
+        return _reduce_request("reducescatter", nm, arrays, op, prescale_factor, postscale_factor, ctx)
 
     def job_of(state):
         pre, post = state
@@ -377,11 +382,7 @@ def reducescatter_async(arrays, op="average", names=None, prescale_factor=1.0,
                 if a.size:
                     c.reduce_scatter(src.reshape(-1), out.reshape(-1), [r * per_row for r in rows], "sum")
                 if op == "average":
-                    if a.dtype.kind == "f":
-                        np.divide(out, np.float32(c.size) if a.dtype == np.float16 else a.dtype.type(c.size),
-                                  out=out, casting="unsafe")
-                    else:
-                        np.copyto(out, np.trunc(out / float(c.size)), casting="unsafe")
+                    _divide_by_size(out, c.size)
                 _scale(out, post)
                 outs.append(out)
             return outs
