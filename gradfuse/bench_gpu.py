@@ -10,6 +10,11 @@ device-to-device copy (``cupy.copyto``, bytes read + written) measured in the sa
 The 1-bit compress with error feedback is also compared with the same math written with
 cupy array ops and ``cupy.packbits`` (targets: >= 50 % of copy, >= 5x cupy).
 
+``--pipeline`` adds a second table: one ``gradfuse.Pipeline`` step on the ResNet-50
+gradient set (193 float32 tensors, 25.6 M elements) on the GPU and on the host, per
+compressor, one rank (so the time is the pipeline's own work: pack, compress, decode,
+write back), beside a D2D copy of the same gradients.
+
 Prints a markdown table; ``--out`` (or ``$OUT/gpu_bench.md`` when ``OUT`` is set) also
 writes it to a file.
 """
@@ -154,14 +159,75 @@ def run(mb=256, repeat=20, block=512, p=4):
     return "\n".join(lines)
 
 
+def _wall(fn, repeat, warmup=2):
+    import time
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+PIPELINE_COMPRESSORS = ("none", "fp16", "bf16", "1bit", "2bit", "topk", "randomk")
+
+
+def run_pipeline(repeat=10, compressors=PIPELINE_COMPRESSORS):
+    """Pipeline step on the ResNet-50 set, GPU vs host, one rank (``allreduce`` into
+    preallocated outputs; every GPU step ends with a stream synchronize)."""
+    import gradfuse
+    from .bench import resnet50_shapes
+    from .comm.single import SingleProcessCommunicator
+    from . import gpu
+    cp = gpu.cupy()
+    comm = SingleProcessCommunicator()
+    rng = np.random.default_rng(0)
+    shapes = resnet50_shapes()
+    host = {f"g{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(shapes)}
+    host_out = {k: np.empty_like(v) for k, v in host.items()}
+    dev = {k: cp.asarray(v) for k, v in host.items()}
+    dev_out = {k: cp.empty_like(v) for k, v in dev.items()}
+    n = sum(v.size for v in host.values())
+    flat, flat2 = cp.empty(n, cp.float32), cp.empty(n, cp.float32)
+    t_copy = _time(cp, lambda: cp.copyto(flat2, flat), repeat)
+    lines = [f"Pipeline step on ResNet-50 gradients ({len(shapes)} float32 tensors, {n} elements, "
+             f"{4 * n / 1e6:.0f} MB), one rank, median of {repeat}; D2D copy of the same bytes: "
+             f"{t_copy * 1e3:.3f} ms", "",
+             "| compressor | GPU step (ms) | host step (ms) | host / GPU | GPU step / D2D copy | same bits |",
+             "|---|---:|---:|---:|---:|---|"]
+    for name in compressors:
+        pd = gradfuse.Pipeline(compress=name, comm=comm)
+        ph = gradfuse.Pipeline(compress=name, comm=comm)
+        t_dev = _wall(lambda: pd.allreduce(dev, out=dev_out), repeat)
+        t_host = _wall(lambda: ph.allreduce(host, out=host_out), max(3, repeat // 3))
+        # both pipelines ran the same number of steps on the same gradients? compare one more
+        pd2 = gradfuse.Pipeline(compress=name, comm=comm)
+        ph2 = gradfuse.Pipeline(compress=name, comm=comm)
+        a = pd2.allreduce(dev)
+        b = ph2.allreduce(host)
+        same = all(np.array_equal(a[k].get().view(np.uint32), b[k].view(np.uint32)) for k in host)
+        lines.append(f"| {name} | {t_dev * 1e3:.2f} | {t_host * 1e3:.2f} | {t_host / t_dev:.1f} | "
+                     f"{t_dev / t_copy:.1f} | {'yes' if same else 'NO'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--block", type=int, default=512)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--pipeline", action="store_true", help="also time Pipeline steps on ResNet-50 (GPU vs host)")
+    ap.add_argument("--only-pipeline", action="store_true", help="only the Pipeline table")
     args = ap.parse_args(argv)
-    table = run(args.mb, args.repeat, args.block)
+    parts = []
+    if not args.only_pipeline:
+        parts.append(run(args.mb, args.repeat, args.block))
+    if args.pipeline or args.only_pipeline:
+        parts.append(run_pipeline(max(3, args.repeat // 2)))
+    table = "\n\n".join(parts)
     print(table)
     out = args.out
     if out is None and os.environ.get("OUT"):

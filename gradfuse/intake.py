@@ -23,6 +23,7 @@ from typing import Any, Tuple
 import numpy as np
 
 _kDLCPU, _kDLCUDA, _kDLCUDAHost, _kDLCUDAManaged = 1, 2, 3, 13
+kDLCUDA, kDLCUDAManaged = _kDLCUDA, _kDLCUDAManaged        # DLPack device types of GPU memory
 _DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT = 0, 1, 2, 4
 
 

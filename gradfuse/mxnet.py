@@ -417,17 +417,30 @@ def _ranks_of(process_set):
 
 
 # --- arrays ------------------------------------------------------------------------
-def _view(tensor, name):
+def _view(tensor, name, device_ok=False):
     """Zero-copy writable numpy view of a CPU NDArray (waits for MXNet's pending work),
-    or an ``InvalidInput`` that makes every rank raise the error."""
+    or an ``InvalidInput`` that makes every rank raise the error.
+
+    ``device_ok``: a GPU NDArray becomes a ``gradfuse.intake.DeviceArray`` through its
+    writable DLPack capsule, for ``gradfuse.Pipeline`` (DistributedTrainer, the KVStore).
+    That path is a design that has never run: no MXNet GPU build exists in our
+    environments (docs/gpu.md, "MXNet on the GPU").
+    """
     try:
         if not isinstance(tensor, mx.nd.NDArray):
             raise TypeError(f"tensor {name!r}: expected an mxnet NDArray, got {type(tensor).__name__}")
         if tensor.stype != "default":
             raise TypeError(f"tensor {name!r}: {tensor.stype} NDArrays are not supported; "
                             f"use dense arrays (tostype('default'))")
+        if tensor.context.device_type == "gpu" and device_ok:
+            # WaitToWrite: MXNet's engine has finished every pending write to the array
+            # (its GPU kernels included) before gradfuse's stream reads it
+            check_call(_LIB.MXNDArrayWaitToWrite(tensor.handle))
+            return _intake.as_array(tensor, name)
         if tensor.context.device_type not in ("cpu", "cpu_pinned", "cpu_shared"):
-            raise TypeError(f"tensor {name!r} is on {tensor.context}; this binding takes CPU arrays only")
+            raise TypeError(f"tensor {name!r} is on {tensor.context}; the Horovod-style collectives of "
+                            f"this binding take CPU arrays only (GPU arrays: DistributedTrainer or the "
+                            f"dist_gradfuse KVStore, see docs/gpu.md)")
         if tensor.dtype == np.bool_:
             raise TypeError(f"tensor {name!r}: dtype bool is not supported")
         # MXNDArrayGetData turns oneDNN-layout data (conv weights and their gradients
@@ -1149,7 +1162,7 @@ class _Reducer:
                 # zero-copy views of the NDArrays (each waits until MXNet has written
                 # that gradient): the pipeline reads them and writes the results
                 # straight into their memory (out=part)
-                part = [_view(sent[i], names[i]) for i in idx]
+                part = [_view(sent[i], names[i], device_ok=True) for i in idx]
                 bad = [p for p in part if isinstance(p, _coll.InvalidInput)]
                 if bad:     # every rank raises: the others learn it in the negotiation
                     handles.append(_coll.refuse_async("allreduce", bad[0].error, self.comm))
@@ -1495,7 +1508,7 @@ class KVStore(mx.kvstore.KVStoreBase):
                 src += extra.as_in_context(src.context)
             srcs.append(src)
             names.append(f"kv.{k}")
-        views = [_view(s, n) for s, n in zip(srcs, names)]
+        views = [_view(s, n, device_ok=True) for s, n in zip(srcs, names)]
         bad = [v for v in views if isinstance(v, _coll.InvalidInput)]
         with _Span("pushpull", names[0]):
             if bad:

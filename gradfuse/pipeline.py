@@ -20,6 +20,12 @@ where the sum fits.
 
 Non-contiguous inputs are copied to contiguous ones before packing; outputs (and the
 in-place variant's inputs) must be C-contiguous and writable, else ``ValueError``.
+
+GPU tensors (cupy arrays, anything with ``__cuda_array_interface__`` or CUDA DLPack)
+take the same path on their device (docs/gpu.md): fusion buffers, residuals and
+payloads in device memory, the kernels of ``cuda/*.cu``, and a GPU communicator (NCCL,
+or MPI through pinned host buffers where NCCL cannot run). The results are the CPU
+path's bits. All tensors of one call must be on the same device, on every rank.
 """
 import threading
 from collections import OrderedDict
@@ -29,6 +35,7 @@ import numpy as np
 from . import _core, config, intake, runtime
 from . import compressors as _compressors
 from . import dtypes as _dt
+from .backend import HOST, CudaBackend
 from .compressors.base import BucketContext
 from .control import Request
 from .errors import NonFiniteError
@@ -66,12 +73,15 @@ class Stats:
 class _Entry:
     """A cached plan and everything derived from the same signature."""
 
-    __slots__ = ("plan", "request", "names", "shapes", "codes", "verified")
+    __slots__ = ("plan", "request", "names", "shapes", "codes", "verified", "bk", "state_key")
 
-    def __init__(self, plan, request, names, shapes, codes):
+    def __init__(self, plan, request, names, shapes, codes, bk=HOST, state_key=None):
         self.plan, self.request, self.names = plan, request, names
         self.shapes, self.codes = shapes, codes
         self.verified = None     # output pointer table last checked for overlaps
+        self.bk = bk             # where the step runs: HOST or a CudaBackend
+        # residuals are keyed without the device, so they follow a bucket between host and GPU
+        self.state_key = state_key or request.digest.hex()
 
 
 def _flatten(grads, names):
@@ -139,6 +149,96 @@ def _dtype_of(obj):
         return np.asarray(memoryview(obj)).dtype
     except (TypeError, ValueError):
         return getattr(obj, "dtype", type(obj).__name__)
+
+
+def _on_device(obj):
+    """True for GPU arrays (cupy, ``__cuda_array_interface__``, CUDA DLPack, DeviceArray)."""
+    if type(obj) is np.ndarray:
+        return False
+    if isinstance(obj, intake.DeviceArray) or hasattr(obj, "__cuda_array_interface__"):
+        return True
+    if getattr(getattr(obj, "context", None), "device_type", None) == "gpu":
+        return True         # an MXNet NDArray on a GPU (read through its DLPack capsule)
+    dev = getattr(obj, "__dlpack_device__", None)
+    if dev is not None:
+        try:
+            return int(dev()[0]) in (intake.kDLCUDA, intake.kDLCUDAManaged)
+        except Exception:
+            return False
+    return False
+
+
+def _device_arrays(objs, names, writable, cp):
+    """cupy views of GPU tensors (no copies, except non-contiguous inputs) and their device.
+
+    Raises TypeError/ValueError naming the tensor: host memory mixed in, tensors on
+    different devices, unsupported dtypes, read-only or non-contiguous outputs.
+    """
+    from .comm.nccl import as_device
+    arrays, device = [], None
+    for obj, name in zip(objs, names):
+        if isinstance(obj, cp.ndarray):
+            arr = obj
+        else:
+            readonly = False
+            if hasattr(obj, "__cuda_array_interface__"):
+                readonly = bool(obj.__cuda_array_interface__["data"][1])
+                arr = cp.asarray(obj)
+            else:
+                got = obj if isinstance(obj, intake.DeviceArray) else intake.as_array(obj, name)
+                if not isinstance(got, intake.DeviceArray):
+                    raise TypeError(f"tensor {name!r} is in host memory but tensor {names[0]!r} is on "
+                                    f"a GPU; all tensors of one call must be on the same device")
+                readonly = got.readonly
+                arr = as_device(got)
+            if writable and readonly:
+                raise ValueError(f"tensor {name!r} is read-only; the results cannot be written into it")
+        if arr.dtype not in _dt.CODE:
+            raise TypeError(f"tensor {name!r}: dtype {arr.dtype} is not supported (supported: {_dt.SUPPORTED})")
+        if arr.size and device is None:
+            device = arr.device.id
+        elif arr.size and arr.device.id != device:
+            raise ValueError(f"tensor {name!r} is on GPU {arr.device.id} but the tensors before it are on "
+                             f"GPU {device}; all tensors of one call must be on the same device")
+        if not arr.flags.c_contiguous:
+            if writable:
+                raise ValueError(f"tensor {name!r} is not C-contiguous; outputs and in-place inputs "
+                                 f"must be (use allreduce() without out=, which copies inputs)")
+            arr = cp.ascontiguousarray(arr)
+        arrays.append(arr)
+    if device is None:
+        device = cp.cuda.runtime.getDevice()
+    return arrays, device
+
+
+def _device_tables(arrays):
+    """(signature bytes as ``_core.scan`` makes them, pointers, byte sizes) of cupy arrays."""
+    words, ptrs, nbytes = [], [], []
+    for a in arrays:
+        words += [_dt.CODE[a.dtype], a.ndim, *a.shape]
+        ptrs.append(a.data.ptr if a.size else 0)
+        nbytes.append(a.size * a.itemsize)
+    return (np.asarray(words, np.int64).tobytes(), np.asarray(ptrs, np.int64),
+            np.asarray(nbytes, np.int64))
+
+
+def _out_objects(out, names):
+    """The objects of ``out=``, which must have the gradients' structure and names."""
+    out_objs, out_names = _flatten(out, None if isinstance(out, dict) else names)
+    if out_names != names:
+        raise ValueError(f"out= must have the same structure and names as the gradients; "
+                         f"got {out_names[:3]}... for {names[:3]}...")
+    return out_objs
+
+
+def _check_out_signature(sig, out_sig, names):
+    """Name the first output whose dtype or shape differs from its input."""
+    if out_sig == sig:
+        return
+    for i, ((c1, s1), (c2, s2)) in enumerate(zip(parse_signature(sig), parse_signature(out_sig))):
+        if (c1, s1) != (c2, s2):
+            raise ValueError(f"tensor {names[i]!r}: output has dtype {_dt.name(c2)} shape "
+                             f"{s2}, input has dtype {_dt.name(c1)} shape {s1}")
 
 
 def _first_overlap(starts, ends, names, labels):
@@ -223,6 +323,7 @@ class Pipeline:
         self.stats = Stats()
         self.state = CompressionState()
         self._wire_cache = {}
+        self._backends = {}          # GPU id -> CudaBackend
 
     # Read-only: plans, agreement digests and residuals are built from these, so a
     # pipeline's configuration is fixed at construction (make a new Pipeline to change it).
@@ -340,7 +441,8 @@ class Pipeline:
             if f & _core.FLAG_NOBUFFER:
                 arr = intake.as_array(objs[i], name)
                 if isinstance(arr, intake.DeviceArray):
-                    raise TypeError(f"tensor {name!r} is a CUDA array; this build has only the CPU path")
+                    raise TypeError(f"tensor {name!r} is on a GPU but tensor {names[0]!r} is in host "
+                                    f"memory; all tensors of one call must be on the same device")
                 objs[i] = arr
                 continue
             if f & _core.FLAG_BADDTYPE:
@@ -368,8 +470,8 @@ class Pipeline:
             raise TypeError(f"tensor {names[i]!r}: cannot read {type(objs[i]).__name__} as an array")
         return objs, sig, ptrs, nbytes
 
-    def _entry(self, sig, names, nbytes):
-        key = (sig, tuple(names))
+    def _entry(self, sig, names, nbytes, bk=HOST):
+        key = (sig, tuple(names), bk.device, bk.device_id)
         entry = self._plans.get(key)
         if entry is not None:
             self._plans.move_to_end(key)
@@ -378,14 +480,16 @@ class Pipeline:
         codes = [c for c, _ in parsed]
         shapes = [s for _, s in parsed]
         sizes = nbytes.tolist()
-        plan = FusionPlan(codes, sizes, self.fusion_threshold, self.direct_threshold)
-        request = Request("allreduce", names, shapes, [_dt.name(c) for c in codes], self._options())
+        plan = FusionPlan(codes, sizes, self.fusion_threshold, self.direct_threshold, alloc=bk.empty_bytes)
+        dtypes = [_dt.name(c) for c in codes]
+        request = Request("allreduce", names, shapes, dtypes, dict(self._options(), device=bk.device))
+        state_key = Request("allreduce", names, shapes, dtypes, self._options()).digest.hex()
         if self.average:
             for name, c in zip(names, codes):
                 if c not in _dt.FLOAT_CODES:
                     raise TypeError(f"tensor {name!r}: average=True needs a float dtype, got "
                                     f"{_dt.name(c)} (use average=False to sum integers)")
-        entry = _Entry(plan, request, names, shapes, codes)
+        entry = _Entry(plan, request, names, shapes, codes, bk, state_key)
         self._plans[key] = entry
         self.stats.plans_built += 1
         if len(self._plans) > _PLAN_CACHE:
@@ -397,59 +501,134 @@ class Pipeline:
 
     def _prepare(self, grads, out, names):
         objs, names = _flatten(grads, names)
+        if objs and _on_device(objs[0]):
+            return self._prepare_gpu(grads, objs, out, names)
         inplace = out is grads
         objs, sig, in_ptrs, nbytes = self._read_tables(objs, names, writable=inplace)
         entry = self._entry(sig, names, nbytes)
         if inplace:
             out_objs, out_ptrs = objs, in_ptrs
         elif out is not None:
-            out_objs, out_names = _flatten(out, None if isinstance(out, dict) else names)
-            if out_names != names:
-                raise ValueError(f"out= must have the same structure and names as the gradients; "
-                                 f"got {out_names[:3]}... for {names[:3]}...")
-            out_objs, out_sig, out_ptrs, out_nb = self._read_tables(out_objs, names, writable=True)
-            if out_sig != sig:
-                for i, ((c1, s1), (c2, s2)) in enumerate(zip(parse_signature(sig), parse_signature(out_sig))):
-                    if (c1, s1) != (c2, s2):
-                        raise ValueError(f"tensor {names[i]!r}: output has dtype {_dt.name(c2)} shape "
-                                         f"{s2}, input has dtype {_dt.name(c1)} shape {s1}")
+            out_objs, out_sig, out_ptrs, out_nb = self._read_tables(_out_objects(out, names), names, writable=True)
+            _check_out_signature(sig, out_sig, names)
         else:
             out_objs = [np.empty(s, dtype=_dt.DTYPE[c]) for c, s in zip(entry.codes, entry.shapes)]
             _, out_ptrs, _, _ = _scan(out_objs)
+        return self._finish_prepare(entry, grads, out, objs, out_objs, in_ptrs, out_ptrs, nbytes, names)
+
+    def _finish_prepare(self, entry, grads, out, objs, out_objs, in_ptrs, out_ptrs, nbytes, names, ready=None):
+        """Overlap check (when the pointers changed), the result object, the job."""
         if out is not None and (entry.verified is None or not np.array_equal(entry.verified[0], in_ptrs)
                                 or not np.array_equal(entry.verified[1], out_ptrs)):
             check_overlaps(in_ptrs, nbytes, out_ptrs, nbytes, names)
             entry.verified = (in_ptrs, out_ptrs)
-        result = grads if inplace else (out if out is not None else _rebuild(grads, out_objs))
-        return self._job(entry, objs, out_objs, in_ptrs, out_ptrs, result)
+        result = grads if out is grads else (out if out is not None else _rebuild(grads, out_objs))
+        return self._job(entry, objs, out_objs, in_ptrs, out_ptrs, result, ready)
 
-    def _job(self, entry, in_objs, out_objs, in_ptrs, out_ptrs, result):
+    def _prepare_gpu(self, grads, objs, out, names):
+        """``_prepare`` for GPU tensors: cupy views, device plan, the caller's stream."""
+        from . import gpu
+        try:
+            cp = gpu.cupy()
+        except ImportError as e:
+            raise TypeError(f"tensor {names[0]!r} is a CUDA array, and the GPU path needs cupy, which "
+                            f"cannot be imported ({e}); install gradfuse[cuda12] or gradfuse[cuda13]") from None
+        inplace = out is grads
+        arrays, dev = _device_arrays(objs, names, inplace, cp)
+        sig, in_ptrs, nbytes = _device_tables(arrays)
+        with cp.cuda.Device(dev):
+            bk = self._backends.get(dev)
+            if bk is None:
+                bk = self._backends[dev] = CudaBackend(dev)
+            entry = self._entry(sig, names, nbytes, bk)
+            if inplace:
+                out_arrays, out_ptrs = arrays, in_ptrs
+            elif out is not None:
+                out_objs = _out_objects(out, names)
+                if out_objs and not all(_on_device(o) for o in out_objs):
+                    bad = next(n for o, n in zip(out_objs, names) if not _on_device(o))
+                    raise TypeError(f"output {bad!r} is in host memory but the gradients are on GPU {dev}")
+                out_arrays, out_dev = _device_arrays(out_objs, names, True, cp)
+                out_sig, out_ptrs, _ = _device_tables(out_arrays)
+                if out_dev != dev and any(a.size for a in out_arrays):
+                    raise ValueError(f"outputs are on GPU {out_dev} but the gradients are on GPU {dev}")
+                _check_out_signature(sig, out_sig, names)
+            else:
+                out_arrays = [cp.empty(s, dtype=_dt.DTYPE[c]) for c, s in zip(entry.codes, entry.shapes)]
+                out_ptrs = _device_tables(out_arrays)[1]
+            # the communication thread's stream waits for the work queued so far on the
+            # caller's stream (the producer of the gradients)
+            ready = cp.cuda.Event(disable_timing=True)
+            ready.record(cp.cuda.get_current_stream())
+        return self._finish_prepare(entry, grads, out, arrays, out_arrays, in_ptrs, out_ptrs, nbytes, names, ready)
+
+    def _gpu_comm(self, dev):
+        """The data-plane communicator for GPU buffers on device ``dev`` (made once per
+        runtime context, collectively, on the communication thread after the ranks agreed
+        on a GPU step): NCCL, else MPI through pinned host memory (with a warning)."""
+        ctx = self._ctx
+        comms = ctx.__dict__.setdefault("gpu_comms", {})
+        comm = comms.get(dev)
+        if comm is None:
+            from .comm.mpi import MPICommunicator
+            from .comm.nccl import _GPUComm, make_gpu_communicator
+            from .comm.single import SingleProcessCommunicator
+            base = ctx.comm
+            if isinstance(base, (_GPUComm, SingleProcessCommunicator)):
+                comm = base
+            elif isinstance(base, MPICommunicator):
+                comm = make_gpu_communicator(base, device=dev)
+            else:
+                raise TypeError(f"{type(base).__name__} cannot carry GPU buffers; give Pipeline an MPI, "
+                                f"NCCL or single-process communicator")
+            comms[dev] = comm
+        return comm
+
+    def _job(self, entry, in_objs, out_objs, in_ptrs, out_ptrs, result, ready=None):
         plan = entry.plan
+        bk = entry.bk
         src = in_ptrs[plan.order]
         dst = out_ptrs[plan.order]
         inplace = bool(np.array_equal(src, dst))
         # tensors reduced where they lie go to the communicator as numpy views
         in_objs, out_objs = list(in_objs), list(out_objs)
-        for b in plan.buckets:
-            if b.direct:
-                i = int(plan.order[b.lo])
-                in_objs[i], out_objs[i] = _as_ndarray(in_objs[i]), _as_ndarray(out_objs[i])
+        if bk is HOST:
+            for b in plan.buckets:
+                if b.direct:
+                    i = int(plan.order[b.lo])
+                    in_objs[i], out_objs[i] = _as_ndarray(in_objs[i]), _as_ndarray(out_objs[i])
         ctx, stats = self._ctx, self.stats
         average = self.average
         comp = self.compressor
 
         def run():
-            comm = ctx.comm
-            try:
-                ctx.coordinator.negotiate(entry.request, self._step_tag())
-            except BaseException:
-                stats.failed_steps += 1
-                raise
+            if bk is HOST:
+                return step(ctx.comm)
+            cp = bk.xp
+            with cp.cuda.Device(bk.device_id):
+                try:
+                    ctx.coordinator.negotiate(entry.request, self._step_tag())
+                except BaseException:
+                    stats.failed_steps += 1
+                    raise
+                comm = self._gpu_comm(bk.device_id)
+                cp.cuda.get_current_stream().wait_event(ready)
+                out = step(comm, negotiated=True)
+                bk.synchronize()          # the results are in place when wait() returns
+                return out
+
+        def step(comm, negotiated=False):
+            if not negotiated:
+                try:
+                    ctx.coordinator.negotiate(entry.request, self._step_tag())
+                except BaseException:
+                    stats.failed_steps += 1
+                    raise
             divide = average and comm.size > 1
             size = float(comm.size)
             compressed = []
             if not comp.lossless:
-                compressed = self._start_compressed(entry, src, dst, size if average else 1.0)
+                compressed = self._start_compressed(entry, src, dst, size if average else 1.0, comm)
             # one rank, in place: the sum (and the mean) of one tensor is the tensor itself
             plain = () if comm.size == 1 and inplace else plan.buckets
             for b in plain:
@@ -462,14 +641,15 @@ class Pipeline:
                     else:
                         comm.allreduce(in_objs[i], out_objs[i])
                     if divide:
-                        _core.div_inplace(int(dst[b.lo]), int(plan.counts[b.lo]), b.code, size)
+                        bk.div_inplace(out_objs[i], dst[b.lo], plan.counts[b.lo], b.code, size)
                 else:
-                    _core.pack(b.buffer, src, plan.offsets, plan.nbytes, b.lo, b.hi)
+                    bk.pack(b.buffer, src, plan.offsets, plan.nbytes, b.lo, b.hi)
                     comm.allreduce_inplace(b.view())
                     if divide:
-                        _core.unpack_div(b.buffer, dst, plan.offsets, plan.nbytes, b.lo, b.hi, b.code, size)
+                        outs = () if bk is HOST else [out_objs[int(i)] for i in plan.order[b.lo:b.hi]]
+                        bk.unpack_div(b.buffer, dst, plan.offsets, plan.nbytes, b.lo, b.hi, b.code, size, outs)
                     else:
-                        _core.unpack(b.buffer, dst, plan.offsets, plan.nbytes, b.lo, b.hi)
+                        bk.unpack(b.buffer, dst, plan.offsets, plan.nbytes, b.lo, b.hi)
                 stats.bytes_reduced += b.nbytes
             for job in compressed.values() if compressed else ():
                 job.finish()
@@ -483,16 +663,17 @@ class Pipeline:
 
         return run
 
-    def _start_compressed(self, entry, src, dst, divisor):
+    def _start_compressed(self, entry, src, dst, divisor, comm):
         """Compress and exchange every float32 bucket; raise on every rank if any was non-finite.
 
         Returns {bucket index: job} for ``finish()`` once the plain buckets are done.
         Warm-up steps (``warmup_steps``) return {} so that everything goes uncompressed.
         """
-        comp, comm, state, plan = self.compressor, self.comm, self.state, entry.plan
+        comp, state, plan, bk = self.compressor, self.state, entry.plan, entry.bk
         if state.step < comp.warmup_steps:
             return {}
-        digest = entry.request.digest.hex()
+        digest = entry.state_key
+        cache_digest = entry.request.digest.hex()
         jobs = {}
         for b in plan.buckets:
             if b.code != _F32:
@@ -504,11 +685,11 @@ class Pipeline:
                 e0, e1 = twophase_chunk(n, comm.size, comp.block, comm.rank)
                 server_n = e1 - e0
             key = (digest, b.index)
-            st = state.bucket(key, n if comp.error_feedback else 0, server_n, algorithm)
-            ctx = BucketContext(bucket=b.index, step=state.step)
+            st = state.bucket(key, n if comp.error_feedback else 0, server_n, algorithm, bk)
+            ctx = BucketContext(bucket=b.index, step=state.step, device=bk.device)
             job = JOBS[algorithm](comm, comp, b, (src, plan.elem_offsets, plan.counts, b.lo, b.hi),
                                   (dst, plan.elem_offsets, plan.counts, b.lo, b.hi), st, ctx, divisor,
-                                  self._wire_cache.setdefault(key, {}), self.stats)
+                                  self._wire_cache.setdefault((cache_digest, b.index), {}), self.stats, bk)
             job.start()
             jobs[b.index] = job
         if jobs:

@@ -85,9 +85,12 @@ class FusionPlan:
         order: int64 array mapping plan position -> tensor index (empty tensors left out).
         offsets, nbytes: int64 arrays per plan position (offset inside the bucket).
         buckets: list of ``Bucket`` in execution order.
+
+    ``alloc(nbytes)`` makes the fusion buffers (default: 64-byte-aligned host memory; the
+    GPU path passes a device allocator).
     """
 
-    def __init__(self, codes, sizes, fusion_threshold, direct_threshold=None):
+    def __init__(self, codes, sizes, fusion_threshold, direct_threshold=None, alloc=None):
         if direct_threshold is None:
             direct_threshold = fusion_threshold
         self.fusion_threshold = int(fusion_threshold)
@@ -119,7 +122,7 @@ class FusionPlan:
                 off += sizes[i]
             b = Bucket(gi, code, lo, len(order), total, direct)
             if not direct:
-                b.buffer = aligned_empty(total)
+                b.buffer = (alloc or aligned_empty)(total)
             buckets.append(b)
         self.order = np.asarray(order, dtype=np.int64)
         self.offsets = np.asarray(offsets, dtype=np.int64)

@@ -14,9 +14,8 @@ values this rank saw) followed by the compressor's payload arrays, each starting
 """
 import numpy as np
 
-from . import _core
+from .backend import HOST
 from .compressors.error_feedback import EMPTY, compress_with_feedback
-from .plan import aligned_empty
 
 
 def _align8(n):
@@ -51,8 +50,8 @@ class Wire:
 class BucketJob:
     """What every reducer gets: the bucket, its tables, the compressor, its state."""
 
-    def __init__(self, comm, comp, bucket, src_table, dst_table, state, ctx, divisor, cache, stats):
-        self.comm, self.comp, self.bucket = comm, comp, bucket
+    def __init__(self, comm, comp, bucket, src_table, dst_table, state, ctx, divisor, cache, stats, bk=HOST):
+        self.comm, self.comp, self.bucket, self.bk = comm, comp, bucket, bk
         self.src, self.dst = src_table, dst_table
         self.state, self.ctx, self.divisor = state, ctx, divisor
         self.cache, self.stats = cache, stats
@@ -70,20 +69,34 @@ class BucketJob:
         e_in, e_out = self.residuals()
         bad = self.comp.compress_table(self.src, e_in, e_out, payloads, self.ctx)
         if bad is None:
-            g = np.empty(self.n, np.float32)
-            src, off, cnt, lo, hi = self.src
-            _core.pack(g.view(np.uint8), src, off * 4, cnt * 4, lo, hi)
-            bad = compress_with_feedback(self.comp, g, e_in, e_out, payloads, self.ctx)
+            bad = self.reference_compress(self.bk.gather_f32(self.src, self.n), payloads)
         return int(bad)
+
+    def reference_compress(self, g, payloads):
+        """``compress_with_feedback`` on host values ``g`` (the compressor's plain methods:
+        for compressors without fused kernels, on the host whatever the device)."""
+        bk = self.bk
+        e_in, e_out = self.residuals()
+        if bk is HOST:
+            return compress_with_feedback(self.comp, g, e_in, e_out, payloads, self.ctx)
+        h_in = bk.host(e_in)
+        h_out = np.empty(e_out.size, np.float32)
+        h_pay = [np.zeros(p.shape, p.dtype) for p in payloads]
+        bad = compress_with_feedback(self.comp, g, h_in, h_out, h_pay, self.ctx)
+        for d, h in zip(payloads, h_pay):
+            if d.size:
+                bk.upload(d, h)
+        if e_out.size:
+            bk.upload(e_out, h_out)
+        return bad
 
     def write_sum(self, rows, divisor):
         """Decode-sum-divide ``rows`` into the outputs (fused kernel or reference path)."""
         if not self.comp.decompress_sum_table(rows, self.dst, divisor, self.ctx):
-            acc = self.comp.decompress_sum(rows, self.n, self.ctx)
+            acc = self.comp.decompress_sum([self.bk.host(r) for r in rows], self.n, self.ctx)
             if divisor != 1.0:
                 acc = np.divide(acc, np.float32(divisor), dtype=np.float32)
-            dst, off, cnt, lo, hi = self.dst
-            _core.unpack(np.ascontiguousarray(acc, np.float32).view(np.uint8), dst, off * 4, cnt * 4, lo, hi)
+            self.bk.scatter_f32(acc, self.dst)
 
     def commit(self):
         if self.comp.error_feedback or self.state.server_cur.size:
@@ -99,7 +112,8 @@ class AllgatherJob(BucketJob):
         key = ("allgather", wire.nbytes, p)
         bufs = self.cache.get(key)
         if bufs is None:
-            bufs = (aligned_empty(wire.nbytes), aligned_empty(wire.nbytes * p).reshape(p, wire.nbytes))
+            bk = self.bk
+            bufs = (bk.empty_bytes(wire.nbytes), bk.empty_bytes(wire.nbytes * p).reshape(p, wire.nbytes))
             bufs[0][:] = 0
             self.cache.clear()
             self.cache[key] = bufs
@@ -107,7 +121,7 @@ class AllgatherJob(BucketJob):
         Wire.header(send)[0] = self.compress_into(wire.views(send))
         self.comm.allgather(send, recv)
         self.stats.bytes_sent += wire.nbytes * (p - 1)
-        flags = Wire.header(recv)[:, 0]
+        flags = self.bk.host(Wire.header(recv)[:, 0])
         self.nonfinite_ranks = [r for r in range(p) if flags[r]]
         self.wire, self.recv = wire, recv
 
@@ -120,22 +134,21 @@ class AllreduceJob(BucketJob):
     """fp16/bf16: the network sums the 16-bit payloads (MPI user op, float32 add rounded once)."""
 
     def start(self):
+        bk = self.bk
         buf = self.cache.get("buf16")
         if buf is None or buf.size != self.n:
-            buf = aligned_empty(2 * self.n).view(np.uint16)
+            buf = bk.empty_bytes(2 * self.n).view(np.uint16)
             self.cache["buf16"] = buf
         prescale = float(self.comm.size) if self.comp.options.get("predivide") and self.divisor != 1.0 else 1.0
         e_in, e_out = self.residuals()
         if e_in.size:
-            g = np.empty(self.n, np.float32)
-            src, off, cnt, lo, hi = self.src
-            _core.pack(g.view(np.uint8), src, off * 4, cnt * 4, lo, hi)
+            g = bk.gather_f32(self.src, self.n)
             if prescale != 1.0:
                 g = np.divide(g, np.float32(prescale), dtype=np.float32)
-            compress_with_feedback(self.comp, g, e_in, e_out, [buf], self.ctx)
+            self.reference_compress(g, [buf])
             ovf = unf = 0
         else:
-            ovf, unf = self.comp.pack(self.src, buf, prescale)
+            ovf, unf = self.comp.pack(self.src, buf, prescale, self.ctx)
         self.stats.cast_overflow += ovf
         self.stats.cast_underflow += unf
         self.divisor_after = 1.0 if prescale != 1.0 else self.divisor
@@ -143,7 +156,7 @@ class AllreduceJob(BucketJob):
         p = self.comm.size
         self.stats.bytes_sent += 2 * self.n * 2 * (p - 1) // max(p, 1)
         mask = self.comp.nonfinite_mask()
-        bad = int(np.count_nonzero((buf & mask) == mask))
+        bad = int(bk.xp.count_nonzero((buf & mask) == mask))
         if bad:
             self.nonfinite_ranks = ["?"]
             self.nonfinite_detail = (f"the {self.comp.name} sum holds {bad} inf/NaN value(s): an input was "
@@ -181,10 +194,11 @@ class TwoPhaseJob(BucketJob):
         wire = Wire([(np.dtype(np.uint32), cb * B // 32), (np.dtype(np.float32), cb)])
         key = ("twophase", wire.nbytes, p, n)
         bufs = self.cache.get(key)
+        bk, K = self.bk, self.bk.kernels
         if bufs is None:
-            mk = lambda: aligned_empty(wire.nbytes * p).reshape(p, wire.nbytes)   # noqa: E731
-            bufs = (mk(), mk(), aligned_empty(wire.nbytes), mk(),
-                    np.empty((n + 31) // 32, np.uint32), np.empty(nb, np.float32))
+            mk = lambda: bk.empty_bytes(wire.nbytes * p).reshape(p, wire.nbytes)   # noqa: E731
+            bufs = (mk(), mk(), bk.empty_bytes(wire.nbytes), mk(),
+                    bk.empty((n + 31) // 32, np.uint32), bk.empty(nb, np.float32))
             self.cache.clear()
             self.cache[key] = bufs
         send, recv, ssend, srecv, bits, scales = bufs
@@ -207,19 +221,19 @@ class TwoPhaseJob(BucketJob):
         e0, e1 = self.chunk(me)
         m = e1 - e0
         rows = wire.rows(recv)
-        acc = np.empty(m, np.float32)
-        _core.onebit_decompress_sum_array(rows[0][:, :-(-m // 32)], rows[1][:, :-(-m // B)], B, acc,
+        acc = bk.empty(m, np.float32)
+        K.onebit_decompress_sum_array(rows[0][:, :-(-m // 32)], rows[1][:, :-(-m // B)], B, acc,
                                           self.divisor)
         ssend[:] = 0
         sb, ss = wire.views(ssend)
-        server_bad = _core.onebit_compress_array(acc, self.state.server_cur, self.state.server_nxt, B,
+        server_bad = K.onebit_compress_array(acc, self.state.server_cur, self.state.server_nxt, B,
                                                  sb[:-(-m // 32)], ss[:-(-m // B)])
-        worker_flags = Wire.header(recv)[:, 0]
+        worker_flags = bk.host(Wire.header(recv)[:, 0])
         Wire.header(ssend)[0] = int(worker_flags.any()) * (1 << 32) + int(server_bad)
         self.comm.allgather(ssend, srecv)
         self.stats.bytes_sent += 2 * wire.nbytes * (p - 1)
         # every rank learns, from the server headers, which ranks had non-finite values
-        flags = Wire.header(srecv)[:, 0]
+        flags = bk.host(Wire.header(srecv)[:, 0])
         if flags.any():
             self.nonfinite_ranks = ["?"]
             self.nonfinite_detail = "a rank's gradients or a server average were non-finite"
@@ -238,7 +252,7 @@ class TwoPhaseJob(BucketJob):
             bits[w0:w1] = sb[:w1 - w0]
             scales[s0:s1] = ss[:s1 - s0]
         dst, off, cnt, lo, hi = self.dst
-        _core.onebit_decompress_sum(bits.reshape(1, -1), scales.reshape(1, -1), B, dst, off, cnt, lo, hi, 1.0)
+        self.bk.kernels.onebit_decompress_sum(bits.reshape(1, -1), scales.reshape(1, -1), B, dst, off, cnt, lo, hi, 1.0)
         self.commit()
 
 

@@ -15,19 +15,22 @@ import warnings
 
 import numpy as np
 
+from .backend import HOST, to_host
+
 FORMAT = "gradfuse-state-1"
 
 
 class BucketState:
-    __slots__ = ("n", "cur", "nxt", "server_cur", "server_nxt", "algorithm")
+    __slots__ = ("n", "cur", "nxt", "server_cur", "server_nxt", "algorithm", "device")
 
-    def __init__(self, n, server_n=0, algorithm="allgather"):
+    def __init__(self, n, server_n=0, algorithm="allgather", bk=HOST):
         self.n = n
-        self.cur = np.zeros(n, np.float32)
-        self.nxt = np.zeros(n, np.float32)
-        self.server_cur = np.zeros(server_n, np.float32)
-        self.server_nxt = np.zeros(server_n, np.float32)
+        self.cur = bk.zeros(n, np.float32)
+        self.nxt = bk.zeros(n, np.float32)
+        self.server_cur = bk.zeros(server_n, np.float32)
+        self.server_nxt = bk.zeros(server_n, np.float32)
         self.algorithm = algorithm
+        self.device = (bk.device, bk.device_id)
 
     def commit(self):
         self.cur, self.nxt = self.nxt, self.cur
@@ -44,16 +47,31 @@ class CompressionState:
         self._fresh_restore = False   # no compressed step since the last restore
         self._claimed_any = False
 
-    def bucket(self, key, n, server_n, algorithm):
+    def bucket(self, key, n, server_n, algorithm, bk=HOST):
+        """The state of bucket ``key``, in the memory of backend ``bk`` (host or a GPU).
+
+        Keys do not depend on where the tensors live, so a residual follows its bucket
+        from host to GPU and back (it is copied over when the device changes).
+        """
         st = self.buckets.get(key)
+        if st is not None and st.n == n and st.server_cur.size == server_n \
+                and st.device != (bk.device, bk.device_id):
+            moved = BucketState(n, server_n, algorithm, bk)
+            if n:
+                bk.upload(moved.cur, to_host(st.cur))
+            if server_n:
+                bk.upload(moved.server_cur, to_host(st.server_cur))
+            self.buckets[key] = st = moved
         if st is None or st.n != n or st.server_cur.size != server_n:
-            st = BucketState(n, server_n, algorithm)
+            st = BucketState(n, server_n, algorithm, bk)
             saved = self.pending.pop(key, None)
             if saved is not None:
                 self._claimed_any = True
                 if saved["n"] == n and saved["server_residual"].size == server_n:
-                    st.cur[...] = saved["residual"]
-                    st.server_cur[...] = saved["server_residual"]
+                    if n:
+                        bk.upload(st.cur, saved["residual"])
+                    if server_n:
+                        bk.upload(st.server_cur, saved["server_residual"])
                 else:
                     warnings.warn(f"gradfuse: checkpointed residual of bucket {key[1]} has a different "
                                   f"size; starting that bucket from zero", RuntimeWarning, stacklevel=3)
@@ -80,8 +98,8 @@ class CompressionState:
     def state_dict(self, config, world_size, rank):
         buckets = {}
         for (digest, b), st in self.buckets.items():
-            buckets[f"{digest}/{b}"] = {"n": st.n, "residual": st.cur.copy(),
-                                        "server_residual": st.server_cur.copy(),
+            buckets[f"{digest}/{b}"] = {"n": st.n, "residual": np.array(to_host(st.cur), copy=True),
+                                        "server_residual": np.array(to_host(st.server_cur), copy=True),
                                         "algorithm": st.algorithm}
         for (digest, b), saved in self.pending.items():
             buckets.setdefault(f"{digest}/{b}", saved)

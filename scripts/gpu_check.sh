@@ -6,8 +6,10 @@
 # Uses the packages already on the image (Python 3.12, numpy 2, cupy-cuda13x, Cython,
 # pytest, mpi4py). Steps: build gradfuse in place; 1) compile every kernel with
 # cupy.RawModule (NVRTC); 2) the GPU tests with GRADFUSE_TEST_GPU=1 (a missing GPU is a
-# failure there); 3) the kernel benchmark on a 256 MB bucket (python -m gradfuse.bench_gpu),
-# a markdown table on stdout and in $OUT/gpu_bench.md when OUT is set. Logs go to $OUT
+# failure there): kernels, communicators, the Pipeline on cupy arrays (1 rank, and 2 ranks
+# under mpiexec: host-staged, since NCCL refuses two ranks on one GPU); 3) the kernel
+# benchmark on a 256 MB bucket and Pipeline steps on ResNet-50, GPU vs host
+# (python -m gradfuse.bench_gpu --pipeline), markdown on stdout and in $OUT/gpu_bench.md. Logs go to $OUT
 # (or /tmp). Exit status: non-zero if any step failed; every step runs regardless.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -38,9 +40,10 @@ print("  " + "\n  ".join(names))
 PYEOF
 
 # kernels and communicators in two processes: a broken MPI cannot take the kernel results down
-for part in kernels comm; do
-    if [ $part = kernels ]; then files="tests/test_gpu_kernels.py tests/test_cuda_compile.py"; limit=170
-    else files="tests/test_gpu_comm.py"; limit=80; fi
+for part in kernels comm pipeline; do
+    if [ $part = kernels ]; then files="tests/test_gpu_kernels.py tests/test_cuda_compile.py"; limit=150
+    elif [ $part = comm ]; then files="tests/test_gpu_comm.py"; limit=60
+    else files="tests/test_gpu_pipeline.py"; limit=60; fi
     say "2) GPU tests, $part (GRADFUSE_TEST_GPU=1)"
     GRADFUSE_TEST_GPU=1 timeout $limit $PY -m pytest -q -p no:cacheprovider -o addopts="" -rfEs --tb=short \
         --durations=8 $files > "$LOGS/gpu_tests_$part.log" 2>&1
@@ -50,8 +53,22 @@ for part in kernels comm; do
     [ $rc -eq 0 ] || { fail=1; say "GPU TESTS ($part) FAILED (exit $rc; full log $LOGS/gpu_tests_$part.log)"; }
 done
 
-say "3) benchmark (256 MB bucket)"
-timeout 90 $PY -m gradfuse.bench_gpu --mb 256 --repeat 20 || fail=1
+MPIEXEC=$(dirname "$(command -v $PY)")/mpiexec
+[ -x "$MPIEXEC" ] || MPIEXEC=$(command -v mpiexec || true)
+if [ -n "$MPIEXEC" ]; then
+    say "2) GPU pipeline, 2 ranks on one GPU ($MPIEXEC -n 2)"
+    GRADFUSE_TEST_GPU=1 timeout 90 "$MPIEXEC" -n 2 $PY -m pytest -q -p no:cacheprovider -o addopts="" -rfE \
+        --tb=short tests/mpi/test_gpu_pipeline.py > "$LOGS/gpu_tests_pipeline2.log" 2>&1
+    rc=$?
+    grep -E "^(FAILED|ERROR)" "$LOGS/gpu_tests_pipeline2.log" | sort -u | head -20
+    tail -4 "$LOGS/gpu_tests_pipeline2.log"
+    [ $rc -eq 0 ] || { fail=1; say "2-RANK GPU PIPELINE FAILED (exit $rc)"; }
+else
+    say "2) no mpiexec: 2-rank GPU pipeline not run"; fail=1
+fi
+
+say "3) benchmark (256 MB bucket; Pipeline steps on ResNet-50)"
+timeout 120 $PY -m gradfuse.bench_gpu --mb 256 --repeat 20 --pipeline || fail=1
 
 say "done, status $fail"
 exit $fail

@@ -35,6 +35,7 @@ def require_gpu():
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu"))
         import fakecupy
         sys.modules["cupy"] = fakecupy
+        sys.modules["cupyx"] = fakecupy.cupyx
         gpu._cp = fakecupy
         return fakecupy, gpu
     try:

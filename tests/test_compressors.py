@@ -28,7 +28,7 @@ def reference_path(name, **opts):
         def decompress_sum_table(self, *a, **k):
             return False
 
-        def pack(self, table, payload, prescale=1.0):
+        def pack(self, table, payload, prescale=1.0, ctx=None):
             from gradfuse import _core
             src, off, cnt, lo, hi = table
             n = int(off[hi - 1] + cnt[hi - 1]) if hi > lo else 0

@@ -29,3 +29,35 @@ def test_gpu_kernels_on_simt_emulator():
     assert not timed_out, out[-4000:]
     assert code == 0, out[-8000:]
     assert " passed" in out and "skipped" not in out.splitlines()[-1], out[-2000:]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (the SIMT emulator needs it)")
+def test_gpu_pipeline_on_simt_emulator():
+    """gradfuse.Pipeline on (emulated) GPU arrays, one rank: every compressor bit-identical
+    to the host path, call forms, checkpoints across devices, errors."""
+    env = dict(os.environ)
+    env["GRADFUSE_GPU_EMULATOR"] = "1"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           "tests/test_gpu_pipeline.py"]
+    code, out, timed_out = run_limited(cmd, timeout=600, env=env, cwd=ROOT)
+    assert not timed_out, out[-4000:]
+    assert code == 0, out[-8000:]
+    assert " passed" in out and "skipped" not in out.splitlines()[-1], out[-2000:]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (the SIMT emulator needs it)")
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_gpu_pipeline_multi_rank_on_simt_emulator(ranks):
+    """The same across 2 and 3 ranks: the GPU communicator falls back to host-staged MPI
+    (no NCCL on the emulator), and every rank gets the host path's bits."""
+    from conftest import mpiexec_path
+    env = dict(os.environ)
+    env["GRADFUSE_GPU_EMULATOR"] = "1"
+    env.pop("GRADFUSE_STALL_WARNING_S", None)
+    env.pop("GRADFUSE_STALL_TIMEOUT_S", None)
+    cmd = [mpiexec_path(), "-n", str(ranks), sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           "-o", "addopts=", "tests/mpi/test_gpu_pipeline.py"]
+    code, out, timed_out = run_limited(cmd, timeout=300, env=env, cwd=ROOT)
+    assert not timed_out, out[-4000:]
+    assert code == 0, out[-8000:]
+    assert out.count(" passed") == ranks and "skipped" not in out, out[-2000:]

@@ -68,7 +68,7 @@ def test_cuda_array_interface_becomes_device_array():
     d = intake.as_array(FakeCuda(), "g")
     assert isinstance(d, intake.DeviceArray)
     assert d.ptr == 12345 and d.shape == (4, 2) and d.dtype == np.float32 and d.nbytes == 32
-    with pytest.raises(TypeError, match="tensor 'g' is a CUDA array"):
+    with pytest.raises(TypeError, match="tensor 'g' is a CUDA array, and the GPU path needs cupy"):
         gradfuse.Pipeline(comm=SingleProcessCommunicator()).allreduce({"g": FakeCuda()})
 
 

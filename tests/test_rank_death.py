@@ -128,7 +128,10 @@ def test_exit_before_the_others_enter_the_collective():
 def test_os_exit_ends_the_job():
     """os._exit skips every hook; mpiexec sees a rank leave without MPI_Finalize."""
     code, out, elapsed, left = launch("os_exit", 2)
-    assert code == 3, out
+    # mpiexec reports the first exit status it collects: the rank's 3, or, on a loaded
+    # machine, the SIGKILL (9) it sent to the rank it cleaned up first
+    assert code in (3, 9), out
+    assert "dies now (os_exit)" in out, out
     assert elapsed <= STALL_TIMEOUT_S + 10
     assert not left, left
 

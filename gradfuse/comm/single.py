@@ -1,5 +1,21 @@
-"""A communicator for one process: every collective is the identity."""
+"""A communicator for one process: every collective is the identity.
+
+It works on host arrays and on device arrays (cupy) alike: the copies are array
+assignments in the arrays' own memory.
+"""
 import numpy as np
+
+
+def _flat(a):
+    """A flat view of an array (numpy or cupy) or of a buffer exporter."""
+    if not hasattr(a, "reshape") or not hasattr(a, "dtype"):
+        a = np.asarray(memoryview(a))
+    return a.reshape(-1)
+
+
+def _copy(dst, src):
+    d, s = _flat(dst), _flat(src)
+    d[...] = s
 
 from .base import Communicator
 
@@ -25,7 +41,7 @@ class SingleProcessCommunicator(Communicator):
         return arr
 
     def allreduce(self, src, dst):
-        np.copyto(dst, src)
+        _copy(dst, src)
 
     def ctl_isend(self, data, dest):
         raise RuntimeError("single-process communicator has no peers")
@@ -44,25 +60,25 @@ class SingleProcessCommunicator(Communicator):
 
     def allreduce_op(self, src, dst, op):
         if src is not dst:
-            np.copyto(dst, src)
+            _copy(dst, src)
 
     def bcast(self, arr, root):
         if root != 0:
             raise ValueError(f"root rank {root} does not exist in a communicator of size 1")
 
     def allgather(self, src, dst):
-        np.copyto(dst.reshape(-1), np.asarray(src).reshape(-1))
+        _copy(dst, src)
 
     def allgatherv(self, src, dst, counts):
-        np.copyto(dst.reshape(-1)[:counts[0]], np.asarray(src).reshape(-1))
+        _flat(dst)[:counts[0]] = _flat(src)
 
     alltoall = allgather
 
     def alltoallv(self, src, send_counts, dst, recv_counts):
-        np.copyto(dst.reshape(-1)[:recv_counts[0]], np.asarray(src).reshape(-1)[:send_counts[0]])
+        _flat(dst)[:recv_counts[0]] = _flat(src)[:send_counts[0]]
 
     def reduce_scatter(self, src, dst, counts, op="sum"):
-        np.copyto(dst.reshape(-1), np.asarray(src).reshape(-1)[:counts[0]])
+        _copy(dst, _flat(src)[:counts[0]])
 
     def split(self, ranks):
         return self if list(ranks) == [0] else None

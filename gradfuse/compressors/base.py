@@ -26,7 +26,12 @@ sums every payload), or ``"allreduce"`` for formats the network can sum directly
 (fp16/bf16: an MPI user op adds them, pairwise in float32, rounded once).
 
 ``ctx`` is a ``BucketContext`` (bucket index, step, seed) for compressors that need it
-(random-k draws its indices from the seed, which every rank derives identically).
+(random-k draws its indices from the seed, which every rank derives identically). Its
+``device`` is ``"cpu"`` or ``"cuda"``: on ``"cuda"`` the table pointers, residuals and
+payloads of the fused methods are device memory (cupy arrays); ``kernels(ctx)`` and
+``array_module(ctx)`` give ``gradfuse._core`` / numpy or ``gradfuse.gpu`` / cupy, whose
+functions take the same arguments. A compressor with only the plain methods works on
+both: on the GPU its plain methods run on host copies (slower, same bits).
 """
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -41,6 +46,24 @@ class BucketContext:
     bucket: int = 0
     step: int = 0
     seed: int = 0
+    device: str = "cpu"
+
+
+def kernels(ctx):
+    """The kernel module for the bucket's memory: ``gradfuse._core`` or ``gradfuse.gpu``."""
+    if ctx.device == "cpu":
+        from .. import _core
+        return _core
+    from .. import gpu
+    return gpu
+
+
+def array_module(ctx):
+    """numpy, or cupy for buckets in device memory."""
+    if ctx.device == "cpu":
+        return np
+    from .. import gpu
+    return gpu.cupy()
 
 
 def _check_bool(name, value):

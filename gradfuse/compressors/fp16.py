@@ -13,7 +13,7 @@ written; values that underflow to zero are counted in the pipeline's stats.
 import numpy as np
 
 from .. import _core
-from .base import Compressor
+from .base import BucketContext, Compressor, kernels
 
 
 class Cast16(Compressor):
@@ -39,15 +39,15 @@ class Cast16(Compressor):
         _core.cast_from16(self.fmt, np.ascontiguousarray(payloads[0]), out)
         return out
 
-    def pack(self, table, payload, prescale=1.0):
+    def pack(self, table, payload, prescale=1.0, ctx=BucketContext()):
         """Fused pack + cast straight from the tensors; returns (overflowed, underflowed) counts."""
         src, off, cnt, lo, hi = table
-        return _core.pack_cast(self.fmt, payload, src, off, cnt, lo, hi, prescale)
+        return kernels(ctx).pack_cast(self.fmt, payload, src, off, cnt, lo, hi, prescale)
 
     def decompress_sum_table(self, rows, table, divisor, ctx):
         # rows[0] is the already-summed payload (the network added them)
         dst, off, cnt, lo, hi = table
-        _core.unpack_cast(self.fmt, np.ascontiguousarray(rows[0]).reshape(-1), dst, off, cnt, lo, hi, divisor)
+        kernels(ctx).unpack_cast(self.fmt, rows[0].reshape(-1), dst, off, cnt, lo, hi, divisor)
         return True
 
     def nonfinite_mask(self):

@@ -19,7 +19,7 @@ import math
 import numpy as np
 
 from .. import _core
-from .base import Compressor
+from .base import Compressor, kernels
 
 ALGORITHMS = ("auto", "allgather", "twophase")
 TWOPHASE_MIN_ELEMENTS = 1 << 16
@@ -67,9 +67,9 @@ class OneBit(Compressor):
 
     def compress_table(self, table, e_in, e_out, payloads, ctx):
         src, off, cnt, lo, hi = table
-        return _core.onebit_compress(src, off, cnt, lo, hi, e_in, e_out, self.block, payloads[0], payloads[1])
+        return kernels(ctx).onebit_compress(src, off, cnt, lo, hi, e_in, e_out, self.block, payloads[0], payloads[1])
 
     def decompress_sum_table(self, rows, table, divisor, ctx):
         dst, off, cnt, lo, hi = table
-        _core.onebit_decompress_sum(rows[0], rows[1], self.block, dst, off, cnt, lo, hi, divisor)
+        kernels(ctx).onebit_decompress_sum(rows[0], rows[1], self.block, dst, off, cnt, lo, hi, divisor)
         return True

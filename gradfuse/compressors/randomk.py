@@ -10,7 +10,7 @@ pipeline's checkpointed state, so a restored run draws the same positions.
 import numpy as np
 
 from .. import _core
-from .base import Compressor
+from .base import Compressor, array_module, kernels
 from .topk import check_ratio, k_for
 
 M64 = (1 << 64) - 1
@@ -58,8 +58,8 @@ class RandomK(Compressor):
 
     def compress_table(self, table, e_in, e_out, payloads, ctx):
         src, off, cnt, lo, hi = table
-        idx = np.empty(payloads[0].size, np.uint32)
-        bad = _core.randomk_compress(src, off, cnt, lo, hi, e_in, e_out, self._seed(ctx), idx.size,
+        idx = array_module(ctx).empty(payloads[0].size, np.uint32)
+        bad = kernels(ctx).randomk_compress(src, off, cnt, lo, hi, e_in, e_out, self._seed(ctx), idx.size,
                                      payloads[0], idx)
         if any(key[1] != ctx.step for key in self._drawn):
             self._drawn = {k: v for k, v in self._drawn.items() if k[1] == ctx.step}
@@ -70,8 +70,9 @@ class RandomK(Compressor):
         dst, off, cnt, lo, hi = table
         n = int(off[hi - 1] + cnt[hi - 1]) if hi > lo else 0
         idx = self._drawn.pop((ctx.bucket, ctx.step), None)
+        xp = array_module(ctx)
         if idx is None:                    # not compressed here (e.g. a reference path): draw again
-            idx = self.indices(n, ctx)
-        rows_idx = np.ascontiguousarray(np.broadcast_to(idx, (rows[0].shape[0], idx.size)))
-        _core.sparse_decompress_sum(np.ascontiguousarray(rows[0]), rows_idx, dst, off, cnt, lo, hi, divisor)
+            idx = xp.asarray(self.indices(n, ctx))
+        rows_idx = xp.ascontiguousarray(xp.broadcast_to(idx, (rows[0].shape[0], idx.size)))
+        kernels(ctx).sparse_decompress_sum(xp.ascontiguousarray(rows[0]), rows_idx, dst, off, cnt, lo, hi, divisor)
         return True

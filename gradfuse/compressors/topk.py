@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from .. import _core
-from .base import Compressor
+from .base import Compressor, array_module, kernels
 
 
 def k_for(ratio, n):
@@ -48,11 +48,12 @@ class TopK(Compressor):
 
     def compress_table(self, table, e_in, e_out, payloads, ctx):
         src, off, cnt, lo, hi = table
-        return _core.topk_compress(src, off, cnt, lo, hi, e_in, e_out, payloads[0].size, payloads[0], payloads[1])
+        return kernels(ctx).topk_compress(src, off, cnt, lo, hi, e_in, e_out, payloads[0].size, payloads[0], payloads[1])
 
     def decompress_sum_table(self, rows, table, divisor, ctx):
         dst, off, cnt, lo, hi = table
         # payload rows of the wire buffer are strided; the sparse kernel wants dense [p, k]
-        _core.sparse_decompress_sum(np.ascontiguousarray(rows[0]), np.ascontiguousarray(rows[1]),
-                                    dst, off, cnt, lo, hi, divisor)
+        xp = array_module(ctx)
+        kernels(ctx).sparse_decompress_sum(xp.ascontiguousarray(rows[0]), xp.ascontiguousarray(rows[1]),
+                                           dst, off, cnt, lo, hi, divisor)
         return True

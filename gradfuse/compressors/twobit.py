@@ -9,7 +9,7 @@ agree on it through the control plane.
 import numpy as np
 
 from .. import _core
-from .base import Compressor
+from .base import Compressor, kernels
 
 
 class TwoBit(Compressor):
@@ -40,9 +40,9 @@ class TwoBit(Compressor):
 
     def compress_table(self, table, e_in, e_out, payloads, ctx):
         src, off, cnt, lo, hi = table
-        return _core.twobit_compress(src, off, cnt, lo, hi, e_in, e_out, self.options["threshold"], payloads[0])
+        return kernels(ctx).twobit_compress(src, off, cnt, lo, hi, e_in, e_out, self.options["threshold"], payloads[0])
 
     def decompress_sum_table(self, rows, table, divisor, ctx):
         dst, off, cnt, lo, hi = table
-        _core.twobit_decompress_sum(rows[0], self.options["threshold"], dst, off, cnt, lo, hi, divisor)
+        kernels(ctx).twobit_decompress_sum(rows[0], self.options["threshold"], dst, off, cnt, lo, hi, divisor)
         return True

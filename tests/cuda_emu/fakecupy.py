@@ -29,20 +29,57 @@ int8, int32, int64, uint8, uint16, uint32, uint64 = (np.int8, np.int32, np.int64
 
 
 class _Ptr:
-    def __init__(self, arr):
-        self.ptr = arr.ctypes.data
+    def __init__(self, arr=None, ptr=None, owner=None):
+        self.ptr = arr.ctypes.data if arr is not None else int(ptr)
+        self.owner = owner
+
+    def __add__(self, off):
+        return _Ptr(ptr=self.ptr + int(off), owner=self.owner)
 
 
 class _Dev:
     id = 0
 
 
+def _span(shape, strides, itemsize):
+    """Bytes from the first element to one past the last (non-negative strides)."""
+    if any(int(d) == 0 for d in shape):
+        return 0
+    return sum((int(d) - 1) * int(st) for d, st in zip(shape, strides)) + itemsize
+
+
 class ndarray(np.ndarray):
     """A host numpy array posing as a cupy array."""
+
+    def __new__(cls, shape, dtype=float, memptr=None, strides=None, order="C"):
+        """cupy.ndarray(shape, dtype, memptr, strides): a view of memory at memptr.ptr."""
+        shape = (int(shape),) if np.isscalar(shape) else tuple(int(d) for d in shape)
+        dtype = np.dtype(dtype)
+        if memptr is None:
+            return np.empty(shape, dtype).view(cls)
+        if strides is None:
+            strides, acc = [], dtype.itemsize
+            for d in reversed(shape):
+                strides.insert(0, acc)
+                acc *= d
+        span = _span(shape, strides, dtype.itemsize)
+        raw = (ctypes.c_char * max(span, 1)).from_address(memptr.ptr)
+        arr = np.ndarray.__new__(cls, shape, dtype, buffer=raw, offset=0, strides=tuple(strides))
+        arr._owner = (raw, memptr.owner)
+        return arr
+
+    def __array_finalize__(self, obj):
+        self._owner = getattr(obj, "_owner", None)
 
     @property
     def data(self):
         return _Ptr(self)
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"version": 3, "shape": self.shape, "typestr": self.dtype.str,
+                "data": (self.ctypes.data, False),
+                "strides": None if self.flags.c_contiguous else self.strides}
 
     @property
     def device(self):
@@ -66,7 +103,28 @@ def _wrap(a):
 def asarray(a, dtype=None):
     if isinstance(a, ndarray) and (dtype is None or a.dtype == dtype):
         return a
+    if not isinstance(a, np.ndarray) and hasattr(a, "__cuda_array_interface__"):
+        cai = a.__cuda_array_interface__       # zero copy, as cupy does
+        dt = np.dtype(cai["typestr"])
+        arr = ndarray(cai["shape"], dt, _Ptr(ptr=cai["data"][0], owner=a), cai.get("strides"))
+        return arr if dtype is None or dt == dtype else arr.astype(dtype)
     return np.array(a, dtype=dtype, copy=True).view(ndarray)
+
+
+def ascontiguousarray(a, dtype=None):
+    return _wrap(np.ascontiguousarray(np.asarray(a), dtype=dtype))
+
+
+def broadcast_to(a, shape):
+    return np.broadcast_to(np.asarray(a), shape).view(ndarray)
+
+
+def count_nonzero(a):
+    return _wrap(np.asarray(np.count_nonzero(np.asarray(a))))
+
+
+def arange(*args, dtype=None):
+    return _wrap(np.arange(*args, dtype=dtype))
 
 
 def zeros(shape, dtype=np.float64):
@@ -159,33 +217,81 @@ class _Runtime:
 
 class _Device:
     def __init__(self, i=0):
-        self.id = i
+        if int(i) != 0:
+            raise RuntimeError(f"simt emulator: no device {i}")
+        self.id = int(i)
         self.attributes = {"MultiProcessorCount": 2}   # small grids: the emulator is slow
 
     def use(self):
         pass
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Event:
+    """Kernels run synchronously on the emulator, so every event has completed."""
+
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.recorded = False
+
+    def record(self, stream=None):
+        import time
+        self.t = time.perf_counter()
+        self.recorded = True
+
+    def synchronize(self):
+        pass
+
+    @property
+    def done(self):
+        return True
+
 
 class _Stream:
     ptr = 0
 
+    def __init__(self, null=False, non_blocking=False, ptds=False):
+        pass
+
     def synchronize(self):
         pass
 
+    def record(self, event=None):
+        ev = event or _Event()
+        ev.record(self)
+        return ev
 
-class _Event:
-    def record(self, stream=None):
-        import time
-        self.t = time.perf_counter()
+    def wait_event(self, event):
+        if not isinstance(event, _Event):
+            raise TypeError(f"wait_event needs an Event, got {type(event).__name__}")
 
-    def synchronize(self):
-        pass
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Memory:
+    def __init__(self, ptr, size, owner, device_id=None):
+        self.ptr, self.size, self.owner = int(ptr), int(size), owner
+
+
+def _memory_pointer(mem, offset):
+    return _Ptr(ptr=mem.ptr + int(offset), owner=mem)
 
 
 class _Cuda:
     runtime = _Runtime()
     Device = _Device
     Event = _Event
+    Stream = _Stream
+    UnownedMemory = _Memory
+    MemoryPointer = staticmethod(_memory_pointer)
 
     @staticmethod
     def get_elapsed_time(a, b):
@@ -271,3 +377,11 @@ class RawModule:
         if name not in self.names:
             raise RuntimeError(f"no kernel {name} in the module")
         return RawKernel(self.lib, name)
+
+
+class cupyx:  # noqa: N801
+    """The one cupyx feature used (HostStagedCommunicator): pinned host buffers."""
+
+    @staticmethod
+    def empty_pinned(shape, dtype=np.float64):
+        return np.empty(shape, dtype)

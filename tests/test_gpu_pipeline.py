@@ -1,0 +1,124 @@
+"""gradfuse.Pipeline on GPU arrays, one rank: bit-identical to the host path for every
+compressor (outputs and residuals), in place / out= / new outputs, checkpoints that move
+between host and GPU, and the errors of mixed or bad input.
+
+Marked ``gpu``: skipped without a GPU, failed with GRADFUSE_TEST_GPU=1, and run on the
+CPU SIMT emulator by tests/test_gpu_emulated.py (GRADFUSE_GPU_EMULATOR=1).
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest_gpu import emulated, require_gpu  # noqa: E402
+from gpu_pipeline_cases import COMPRESSORS, case_id, make_grads, run_steps, same_bits  # noqa: E402
+
+import gradfuse  # noqa: E402
+from gradfuse.comm.single import SingleProcessCommunicator  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    return require_gpu()[0]
+
+
+@pytest.fixture(scope="module")
+def comm():
+    return SingleProcessCommunicator()
+
+
+@pytest.mark.parametrize("case", COMPRESSORS, ids=case_id)
+def test_gpu_equals_host_every_compressor(cp, comm, case):
+    run_steps(cp, case[0], case[1], rank=0, comm=comm, steps=3, mode="out")
+
+
+@pytest.mark.parametrize("mode", ["inplace", "new"])
+@pytest.mark.parametrize("name", ["none", "1bit", "fp16"])
+def test_gpu_call_forms(cp, comm, name, mode):
+    run_steps(cp, name, {}, rank=0, comm=comm, steps=2, mode=mode)
+
+
+def test_gpu_list_names_and_tuple(cp, comm):
+    pipe = gradfuse.Pipeline(comm=comm, average=False)
+    xs = (cp.arange(5, dtype=cp.float32), cp.arange(3, dtype=cp.int64))
+    out = pipe.allreduce(xs, names=["a", "b"])
+    assert isinstance(out, tuple) and out[0].get().tolist() == [0, 1, 2, 3, 4]
+    assert out[1].get().tolist() == [0, 1, 2]
+
+
+def test_gpu_checkpoint_moves_between_host_and_gpu(cp, comm, tmp_path):
+    """A residual saved on the GPU restores on the host (and back): the keys do not depend
+    on the device, and the next step gives the same bits on either."""
+    dev = gradfuse.Pipeline(compress="1bit", fusion_threshold=4096, comm=comm, block_size=64)
+    for step in range(2):
+        dev.allreduce({k: cp.asarray(v) for k, v in make_grads(0, step, dtypes=False).items()})
+    path = str(tmp_path / "gpu.npz")
+    dev.save_state(path)
+    host = gradfuse.Pipeline(compress="1bit", fusion_threshold=4096, comm=comm, block_size=64)
+    assert host.load_state(path)
+    g = make_grads(0, 2, dtypes=False)
+    want = host.allreduce(g)
+    got = dev.allreduce({k: cp.asarray(v) for k, v in g.items()})
+    for k in g:
+        assert same_bits(want[k], got[k].get()), k
+    # and the same pipeline switching device keeps its residuals
+    g = make_grads(0, 3, dtypes=False)
+    a = host.allreduce({k: cp.asarray(v) for k, v in g.items()})
+    b = dev.allreduce(g)
+    for k in g:
+        assert same_bits(a[k].get(), b[k]), k
+
+
+def test_gpu_nonfinite_refused(cp, comm):
+    pipe = gradfuse.Pipeline(compress="1bit", comm=comm)
+    x = cp.asarray(np.array([1.0, np.nan, 2.0], np.float32))
+    before = x.get()
+    with pytest.raises(gradfuse.NonFiniteError, match="non-finite"):
+        pipe.allreduce_([x], names=["w"])
+    assert same_bits(x.get(), before)
+
+
+def test_gpu_mixed_host_and_device_named(cp, comm):
+    pipe = gradfuse.Pipeline(comm=comm)
+    with pytest.raises(TypeError, match="tensor 'b' is in host memory but tensor 'a' is on a GPU"):
+        pipe.allreduce({"a": cp.zeros(3, cp.float32), "b": np.zeros(3, np.float32)})
+    if not emulated():       # the emulator's arrays are host memory with the buffer protocol
+        with pytest.raises(TypeError, match="tensor 'b' is on a GPU but tensor 'a' is in host memory"):
+            pipe.allreduce({"a": np.zeros(3, np.float32), "b": cp.zeros(3, cp.float32)})
+    with pytest.raises(TypeError, match="output 'a' is in host memory"):
+        pipe.allreduce({"a": cp.zeros(3, cp.float32)}, out={"a": np.zeros(3, np.float32)})
+    # the pipeline still works afterwards
+    assert pipe.allreduce({"a": cp.ones(3, cp.float32)})["a"].get().tolist() == [1.0] * 3
+
+
+def test_gpu_bad_dtype_and_layout_named(cp, comm):
+    pipe = gradfuse.Pipeline(comm=comm)
+    with pytest.raises(TypeError, match="tensor 'c': dtype uint8 is not supported"):
+        pipe.allreduce({"c": cp.zeros(3, cp.uint8)})
+    x = cp.zeros((4, 4), cp.float32)
+    with pytest.raises(ValueError, match="tensor 'w' is not C-contiguous"):
+        pipe.allreduce_({"w": x[:, ::2]})
+    # a strided input (not in place) is copied
+    y = cp.asarray(np.arange(16, dtype=np.float32).reshape(4, 4))
+    out = pipe.allreduce({"w": y[:, ::2]})
+    assert out["w"].get().tolist() == np.arange(16, dtype=np.float32).reshape(4, 4)[:, ::2].tolist()
+
+
+def test_gpu_cuda_array_interface_object(cp, comm):
+    """Any object with __cuda_array_interface__ (numba, PyTorch, ...) is read without a copy."""
+
+    class Foreign:
+        def __init__(self, arr):
+            self.arr = arr
+            self.__cuda_array_interface__ = arr.__cuda_array_interface__
+
+    a = cp.asarray(np.arange(6, dtype=np.float32))
+    pipe = gradfuse.Pipeline(comm=comm, average=False)
+    res = pipe.allreduce_([Foreign(a)], names=["f"])
+    assert res[0].arr is a and a.get().tolist() == list(range(6))
+    out = pipe.allreduce([Foreign(a)], names=["f"])
+    assert isinstance(out[0], cp.ndarray) and out[0].get().tolist() == list(range(6))
