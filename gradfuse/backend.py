@@ -95,8 +95,9 @@ HOST = HostBackend()
 class CudaBackend:
     """One CUDA device: cupy buffers, the kernels of ``gradfuse.gpu`` (cuda/*.cu).
 
-    Every kernel runs on the current stream of the thread that calls it (the pipeline's
-    communication thread makes it wait for the caller's stream first).
+    Every kernel runs on the current stream of the thread that calls it; the pipeline's
+    communication thread makes ``self.stream`` current and has it wait for an event
+    recorded on the caller's stream first.
     """
 
     device = "cuda"
@@ -105,7 +106,12 @@ class CudaBackend:
         from . import gpu
         self.device_id = int(device_id)
         self.kernels = gpu
-        self.xp = gpu.cupy()
+        self.xp = cp = gpu.cupy()
+        with cp.cuda.Device(self.device_id):
+            # the communication thread's own stream: it waits for the caller's stream
+            # (an event) and is not serialised with the caller's other work
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            gpu.compile_all()       # NVRTC once per device (and cupy's disk cache)
 
     def empty_bytes(self, nbytes):
         return self.xp.empty(int(nbytes), np.uint8)     # cupy allocations are 256-byte aligned
@@ -171,10 +177,5 @@ class CudaBackend:
             self.kernels.unpack(d.view(np.uint8), dst, off * 4, cnt * 4, lo, hi)
 
     def synchronize(self):
-        self.xp.cuda.get_current_stream().synchronize()
+        self.stream.synchronize()
 
-
-def backend_of(obj):
-    """``HOST`` for host arrays, else a ``CudaBackend`` for the array's device."""
-    return HOST if isinstance(obj, np.ndarray) and not hasattr(obj, "__cuda_array_interface__") \
-        else CudaBackend(obj.device.id)

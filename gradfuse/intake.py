@@ -110,6 +110,26 @@ class _DLPackOwner:
                 mt.contents.deleter(mt)
 
 
+def _contiguous(shape, strides, dtype):
+    """C-contiguous byte strides (dimensions of length 1 may have any stride)."""
+    expected = dtype.itemsize
+    for dim, st in zip(reversed(shape), reversed(strides)):
+        if dim != 1 and st != expected:
+            return False
+        expected *= dim
+    return True
+
+
+def capsule_device(capsule):
+    """``(device type, device id)`` of an unused ``"dltensor"`` capsule, without
+    consuming it; None for anything else."""
+    if not is_capsule(capsule) or not _api.PyCapsule_IsValid(capsule, b"dltensor"):
+        return None
+    ptr = _api.PyCapsule_GetPointer(capsule, b"dltensor")
+    d = ctypes.cast(ptr, ctypes.POINTER(_DLManagedTensor)).contents.dl_tensor.device
+    return int(d.device_type), int(d.device_id)
+
+
 def from_dlpack_capsule(capsule, name="tensor", source=None):
     """A writable zero-copy view of a legacy ``"dltensor"`` capsule.
 
@@ -132,6 +152,9 @@ def from_dlpack_capsule(capsule, name="tensor", source=None):
     dev = t.device.device_type
     if dev not in (_kDLCPU, _kDLCUDAHost, _kDLCUDA, _kDLCUDAManaged):
         raise TypeError(f"tensor {name!r}: DLPack device type {dev} is not supported")
+    if dev in (_kDLCUDA, _kDLCUDAManaged) and strides is not None and not _contiguous(shape, strides, dtype):
+        raise ValueError(f"tensor {name!r}: non-contiguous CUDA DLPack tensors are not supported; "
+                         f"make it contiguous first")
     _api.PyCapsule_SetName(capsule, _USED)
     if dev in (_kDLCUDA, _kDLCUDAManaged):
         owner = _DLPackOwner(ptr, None, (capsule, source))
@@ -147,12 +170,7 @@ def _from_cuda_interface(obj, name):
     shape = tuple(int(s) for s in cai["shape"])
     strides = cai.get("strides")
     if strides is not None:
-        expected, contiguous = dtype.itemsize, True
-        for dim, st in zip(reversed(shape), reversed(strides)):
-            if dim != 1 and st != expected:
-                contiguous = False
-            expected *= dim
-        if not contiguous:
+        if not _contiguous(shape, strides, dtype):
             raise ValueError(f"tensor {name!r}: non-contiguous CUDA arrays are not supported; "
                              f"make it contiguous first")
     ptr, readonly = cai["data"]

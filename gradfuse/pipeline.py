@@ -159,6 +159,9 @@ def _on_device(obj):
         return True
     if getattr(getattr(obj, "context", None), "device_type", None) == "gpu":
         return True         # an MXNet NDArray on a GPU (read through its DLPack capsule)
+    if intake.is_capsule(obj):
+        dev = intake.capsule_device(obj)
+        return dev is not None and dev[0] in (intake.kDLCUDA, intake.kDLCUDAManaged)
     dev = getattr(obj, "__dlpack_device__", None)
     if dev is not None:
         try:
@@ -185,7 +188,19 @@ def _device_arrays(objs, names, writable, cp):
                 readonly = bool(obj.__cuda_array_interface__["data"][1])
                 arr = cp.asarray(obj)
             else:
-                got = obj if isinstance(obj, intake.DeviceArray) else intake.as_array(obj, name)
+                got = obj
+                if not isinstance(obj, intake.DeviceArray) and hasattr(obj, "__dlpack__") \
+                        and _on_device(obj):
+                    # the producer makes the caller's current stream wait for its work
+                    # (DLPack: 1 is the legacy default stream)
+                    stream = cp.cuda.get_current_stream().ptr or 1
+                    try:
+                        capsule = obj.__dlpack__(stream=stream)
+                    except TypeError:
+                        capsule = obj.__dlpack__()
+                    got = intake.from_dlpack_capsule(capsule, name, source=obj)
+                elif not isinstance(obj, intake.DeviceArray):
+                    got = intake.as_array(obj, name)
                 if not isinstance(got, intake.DeviceArray):
                     raise TypeError(f"tensor {name!r} is in host memory but tensor {names[0]!r} is on "
                                     f"a GPU; all tensors of one call must be on the same device")
@@ -204,7 +219,8 @@ def _device_arrays(objs, names, writable, cp):
             if writable:
                 raise ValueError(f"tensor {name!r} is not C-contiguous; outputs and in-place inputs "
                                  f"must be (use allreduce() without out=, which copies inputs)")
-            arr = cp.ascontiguousarray(arr)
+            with arr.device:     # on the tensor's own device (and its current stream)
+                arr = cp.ascontiguousarray(arr)
         arrays.append(arr)
     if device is None:
         device = cp.cuda.runtime.getDevice()
@@ -536,9 +552,11 @@ class Pipeline:
         inplace = out is grads
         arrays, dev = _device_arrays(objs, names, inplace, cp)
         sig, in_ptrs, nbytes = _device_tables(arrays)
+        self._claim_device(dev)
         with cp.cuda.Device(dev):
             bk = self._backends.get(dev)
             if bk is None:
+                # compiles the kernels here, before the ranks agree: a failure is announced
                 bk = self._backends[dev] = CudaBackend(dev)
             entry = self._entry(sig, names, nbytes, bk)
             if inplace:
@@ -561,6 +579,21 @@ class Pipeline:
             ready = cp.cuda.Event(disable_timing=True)
             ready.record(cp.cuda.get_current_stream())
         return self._finish_prepare(entry, grads, out, arrays, out_arrays, in_ptrs, out_ptrs, nbytes, names, ready)
+
+    def _claim_device(self, dev):
+        """One GPU per rank and communicator: its GPU communicator (NCCL) is made for one
+        device, collectively. A step on another device is refused before the ranks agree
+        (so every rank raises), rather than leaving this rank alone in NCCL's set-up."""
+        ctx = self._ctx
+        from .comm.nccl import _GPUComm
+        if isinstance(ctx.comm, _GPUComm) and ctx.comm.device != dev:
+            raise ValueError(f"the tensors are on GPU {dev} but the communicator {ctx.comm.describe()} "
+                             f"serves GPU {ctx.comm.device}")
+        with runtime._lock:
+            claimed = ctx.__dict__.setdefault("gpu_device", dev)
+        if claimed != dev:
+            raise ValueError(f"the tensors are on GPU {dev}, but this rank's earlier GPU steps on this "
+                             f"communicator used GPU {claimed}; each rank must keep to one GPU")
 
     def _gpu_comm(self, dev):
         """The data-plane communicator for GPU buffers on device ``dev`` (made once per
@@ -605,17 +638,18 @@ class Pipeline:
             if bk is HOST:
                 return step(ctx.comm)
             cp = bk.xp
-            with cp.cuda.Device(bk.device_id):
+            with cp.cuda.Device(bk.device_id), bk.stream:
                 try:
                     ctx.coordinator.negotiate(entry.request, self._step_tag())
                 except BaseException:
                     stats.failed_steps += 1
                     raise
                 comm = self._gpu_comm(bk.device_id)
-                cp.cuda.get_current_stream().wait_event(ready)
-                out = step(comm, negotiated=True)
-                bk.synchronize()          # the results are in place when wait() returns
-                return out
+                bk.stream.wait_event(ready)       # the producer of the gradients is done
+                try:
+                    return step(comm, negotiated=True)
+                finally:
+                    bk.synchronize()      # nothing of this step still runs when wait() returns
 
         def step(comm, negotiated=False):
             if not negotiated:

@@ -122,3 +122,53 @@ def test_gpu_cuda_array_interface_object(cp, comm):
     assert res[0].arr is a and a.get().tolist() == list(range(6))
     out = pipe.allreduce([Foreign(a)], names=["f"])
     assert isinstance(out[0], cp.ndarray) and out[0].get().tolist() == list(range(6))
+
+
+def _capsule(cp, arr):
+    return arr.toDlpack()
+
+
+def test_gpu_dlpack_capsule_and_producer(cp, comm):
+    """CUDA DLPack: a raw capsule (MXNet's to_dlpack_for_write gives one) and an object
+    with __dlpack__/__dlpack_device__, read and written in place without a copy."""
+    pipe = gradfuse.Pipeline(comm=comm, average=False)
+    a = cp.asarray(np.arange(6, dtype=np.float32))
+    out = pipe.allreduce_([_capsule(cp, a)], names=["cap"])
+    assert a.get().tolist() == list(range(6)) and len(out) == 1
+
+    class Producer:
+        def __init__(self, arr):
+            self.arr = arr
+            self.streams = []
+
+        def __dlpack_device__(self):
+            return (2, self.arr.device.id)
+
+        def __dlpack__(self, stream=None):
+            self.streams.append(stream)
+            return self.arr.toDlpack()
+
+    b = cp.asarray(np.full(4, 2.0, np.float32))
+    prod = Producer(b)
+    res = pipe.allreduce([prod], names=["p"])
+    assert isinstance(res[0], cp.ndarray) and res[0].get().tolist() == [2.0] * 4
+    assert prod.streams and prod.streams[0] not in (None, 0)     # a stream was passed
+    pipe2 = gradfuse.Pipeline(comm=comm)
+    res = pipe2.allreduce_([Producer(b)], names=["p"])
+    assert b.get().tolist() == [2.0] * 4
+
+
+def test_gpu_one_device_per_rank(cp, comm):
+    """A second device on the same communicator is refused before the ranks agree."""
+    from gradfuse import runtime
+    pipe = gradfuse.Pipeline(comm=comm)
+    pipe.allreduce({"a": cp.ones(2, cp.float32)})
+    ctx = runtime.context(comm)
+    assert ctx.gpu_device == 0
+    ctx.gpu_device = 5          # pretend this rank's earlier steps used GPU 5
+    try:
+        with pytest.raises(ValueError, match="this rank's earlier GPU steps on this communicator used GPU 5"):
+            pipe.allreduce({"a": cp.ones(2, cp.float32)})
+    finally:
+        ctx.gpu_device = 0
+    assert pipe.allreduce({"a": cp.ones(2, cp.float32)})["a"].get().tolist() == [1.0, 1.0]

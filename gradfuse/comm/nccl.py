@@ -60,7 +60,8 @@ def as_device(obj):
         arr = cp.asarray(obj)
     elif hasattr(obj, "ptr") and hasattr(obj, "dtype") and hasattr(obj, "shape"):   # intake.DeviceArray
         nbytes = int(np.prod(obj.shape, dtype=np.int64)) * np.dtype(obj.dtype).itemsize
-        mem = cp.cuda.UnownedMemory(int(obj.ptr), nbytes, obj.owner)
+        dev = obj.device_id if obj.device_id >= 0 else cp.cuda.runtime.getDevice()
+        mem = cp.cuda.UnownedMemory(int(obj.ptr), nbytes, obj.owner, dev)
         arr = cp.ndarray(obj.shape, obj.dtype, cp.cuda.MemoryPointer(mem, 0))
     else:
         raise TypeError(f"expected a device array, got {type(obj).__module__}.{type(obj).__qualname__}")
@@ -134,8 +135,16 @@ class NCCLCommunicator(_GPUComm):
         shared = _shared_devices(self.mpi, self.device)
         if shared:
             raise RuntimeError(f"NCCL needs one GPU per rank, but ranks {shared} share a device")
-        uid = nccl.get_unique_id() if self.rank == 0 else None
-        uid = self.mpi.user_comm.bcast(uid, root=0)
+        # rank 0 sends the id or its error: every rank raises instead of waiting for an id
+        sent = None
+        if self.rank == 0:
+            try:
+                sent = ("uid", nccl.get_unique_id())
+            except Exception as e:
+                sent = ("error", f"{type(e).__name__}: {e}")
+        kind, uid = self.mpi.user_comm.bcast(sent, root=0)
+        if kind == "error":
+            raise RuntimeError(f"NCCL: rank 0 could not create the unique id: {uid}")
         self.nccl = nccl.NcclCommunicator(self.size, tuple(uid), self.rank)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._u8 = _const(nccl, "NCCL_UINT8", _NCCL_DTYPES, "uint8")

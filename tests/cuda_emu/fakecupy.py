@@ -40,6 +40,12 @@ class _Ptr:
 class _Dev:
     id = 0
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
 
 def _span(shape, strides, itemsize):
     """Bytes from the first element to one past the last (non-negative strides)."""
@@ -74,6 +80,10 @@ class ndarray(np.ndarray):
     @property
     def data(self):
         return _Ptr(self)
+
+    def toDlpack(self):  # noqa: N802 (cupy's name)
+        """A "dltensor" capsule of device type kDLCUDA (2) over this array's memory."""
+        return _cuda_capsule(self)
 
     @property
     def __cuda_array_interface__(self):
@@ -385,3 +395,26 @@ class cupyx:  # noqa: N801
     @staticmethod
     def empty_pinned(shape, dtype=np.float64):
         return np.empty(shape, dtype)
+
+
+_CAPSULE_KEEP = []      # the emulator's capsules own nothing; keep their structs alive
+
+
+def _cuda_capsule(arr):
+    from gradfuse import intake
+    mt = intake._DLManagedTensor()
+    shape = (ctypes.c_int64 * max(1, arr.ndim))(*arr.shape)
+    strides = (ctypes.c_int64 * max(1, arr.ndim))(*[st // arr.itemsize for st in arr.strides])
+    kind = {"f": 2, "i": 0, "u": 1}[arr.dtype.kind]
+    mt.dl_tensor.data = arr.ctypes.data
+    mt.dl_tensor.device.device_type = 2
+    mt.dl_tensor.device.device_id = 0
+    mt.dl_tensor.ndim = arr.ndim
+    mt.dl_tensor.dtype.code, mt.dl_tensor.dtype.bits, mt.dl_tensor.dtype.lanes = kind, 8 * arr.itemsize, 1
+    mt.dl_tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
+    mt.dl_tensor.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
+    mt.dl_tensor.byte_offset = 0
+    _CAPSULE_KEEP.append((mt, shape, strides, arr))
+    new = ctypes.pythonapi.PyCapsule_New
+    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
+    return new(ctypes.addressof(mt), b"dltensor", None)
