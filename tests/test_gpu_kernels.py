@@ -682,3 +682,272 @@ def test_sparse_decompress_bad_index(g):
         gpu.sparse_decompress_sum_array(cp.asarray(vals), cp.asarray(idx), out, 1.0)
     assert "index 50 at indices[1, 7]" in str(cpu_err.value) and "index 50 at indices[1, 7]" in str(gpu_err.value)
     assert np.all(out.get() == 4.0)           # nothing written
+
+
+# ------------------------------------------------------------------ sparse compress (top-k / random-k)
+
+def no_double_nan(x, e):
+    """e with finite values wherever x is NaN: the NaN of NaN + NaN is the compiler's choice
+    of operand order on the CPU (its scalar and AVX2 paths differ), so it is no contract."""
+    if e is None:
+        return None
+    e = e.copy()
+    e[np.isnan(x) & np.isnan(e)] = F32(0.5)
+    return e
+
+
+def sp_cpu(fn, x, e, k, inplace, sizes, seed=None):
+    """_core top-k / random-k on host copies: (values, indices, e_out or None, count)."""
+    n = x.size
+    values = np.full(k, 7.0, F32)
+    indices = np.full(k, 0xDEADBEEF, U32)
+    if e is None:
+        ein = eout = np.zeros(0, F32)
+    else:
+        ein = e.copy()
+        eout = ein if inplace else np.full(n, 5.0, F32)
+    extra = () if seed is None else (seed,)
+    if sizes is None:
+        bad = getattr(core, fn + "_compress_array")(x, ein, eout, *extra, k, values, indices)
+    else:
+        arrs = chunks(x, sizes)
+        ptrs, offsets, counts = host_table(arrs)
+        bad = getattr(core, fn + "_compress")(ptrs, offsets, counts, 0, len(arrs), ein, eout, *extra, k,
+                                              values, indices)
+    return values, indices, (None if e is None else eout), bad
+
+
+def sp_gpu(cp, gpu, fn, x, e, k, inplace, sizes, seed=None, count_out=False):
+    n = x.size
+    values = cp.full(k, 7.0, F32)
+    indices = cp.full(k, 0xDEADBEEF, U32)
+    if e is None:
+        ein = eout = cp.zeros(0, F32)
+    else:
+        ein = cp.asarray(e)
+        eout = ein if inplace else cp.full(n, 5.0, F32)
+    extra = () if seed is None else (seed,)
+    kw = {"count_out": cp.full(1, 99, np.uint64)} if count_out else {}
+    if sizes is None:
+        bad = getattr(gpu, fn + "_compress_array")(cp.asarray(x), ein, eout, *extra, k, values, indices, **kw)
+    else:
+        darrs = [cp.asarray(a) for a in chunks(x, sizes)]
+        ptrs, offsets, counts = dev_table(darrs)
+        bad = getattr(gpu, fn + "_compress")(ptrs, offsets, counts, 0, len(darrs), ein, eout, *extra, k,
+                                             values, indices, **kw)
+        for a, h in zip(darrs, chunks(x, sizes)):
+            same_bits(a.get(), h)              # the gradients are never written
+    if count_out:
+        assert bad is kw["count_out"]
+        bad = int(bad.get()[0])
+    if e is not None and not inplace:
+        same_bits(ein.get(), e)                # e_in never written when e_out differs
+    return values.get(), indices.get(), (None if e is None else eout.get()), bad
+
+
+def check_sp(cp, gpu, fn, x, e, k, inplace=False, sizes=None, seed=None, count_out=False):
+    e = no_double_nan(x, e)
+    want = sp_cpu(fn, x, e, k, inplace, sizes, seed)
+    got = sp_gpu(cp, gpu, fn, x, e, k, inplace, sizes, seed, count_out)
+    same_bits(got[1], want[1])                 # indices
+    same_bits(got[0], want[0])                 # values: bits of c, NaN payloads included
+    if e is not None:
+        same_bits(got[2], want[2])             # residual: c, 0 at the indices
+    assert got[3] == want[3]
+    return want
+
+
+def sp_cases(x, e, k, fn, seed=None, sizes=None):
+    """Every residual mode, array and table."""
+    cp, gpu = require_gpu()
+    for ee, inplace in [(None, False), (e, True), (e, False)]:
+        check_sp(cp, gpu, fn, x, ee, k, inplace, None, seed)
+        if sizes is not None:
+            check_sp(cp, gpu, fn, x, ee, k, inplace, sizes, seed)
+
+
+SP_SIZES = [0, 1, 31, 32, 33, 1000, 4097, 65537]
+
+
+def sp_ks(n):
+    return sorted({k for k in (0, 1, 2, 3, n // 100, n // 10, n // 2, n - 1, n) if 0 <= k <= n})
+
+
+@pytest.mark.parametrize("n", SP_SIZES)
+def test_topk_compress_sizes(g, n):
+    x = gen(n, 100 + n)
+    e = gen(n, 200 + n) * F32(0.1)
+    for k in sp_ks(n) if n < 65537 else (1, n // 100, n - 1):
+        sp_cases(x, e, k, "topk", sizes=split_sizes(n, n + k))
+
+
+@pytest.mark.parametrize("kind", ["zero", "negzero", "special", "nonfinite", "bits"])
+@pytest.mark.parametrize("n", [1, 33, 1000, 4097])
+def test_topk_compress_special(g, kind, n):
+    x = gen(n, 300 + n, kind)
+    e = gen(n, 301 + n, "special" if kind == "bits" else kind)
+    for k in (1, 5, n // 3, n - 1, n):
+        sp_cases(x, e, max(0, min(k, n)), "topk", sizes=split_sizes(n, n + 7))
+
+
+@pytest.mark.parametrize("n", [32, 1000, 4097])
+def test_topk_ties(g, n):
+    """Many equal |c|: the threshold's ties go to the lowest indices, in every tile."""
+    cp, gpu = g
+    rng = np.random.default_rng(n)
+    cases = [
+        np.ones(n, F32),                                               # all equal
+        np.where(rng.random(n) < 0.5, F32(1.0), F32(-1.0)).astype(F32),  # equal |c|, both signs
+        np.where(rng.random(n) < 0.5, F32(0.0), F32(-0.0)).astype(F32),  # +0 / -0
+        rng.choice(np.array([0.0, -0.0, 2.0, -2.0, 3.0, 1e-40, -1e-40], F32), n).astype(F32),
+        rng.choice(np.array([1.0, -1.0, 1.0000001, np.inf, -np.inf], F32), n).astype(F32),
+    ]
+    for x in cases:
+        for k in sorted({1, 2, 31, 33, n // 3, n // 2, n - 1}):
+            if 0 < k < n:
+                check_sp(cp, gpu, "topk", x, None, k)
+                check_sp(cp, gpu, "topk", x, np.zeros(n, F32), k, inplace=True)
+        check_sp(cp, gpu, "topk", x, None, n // 2, sizes=split_sizes(n, 5))
+
+
+def test_topk_subnormals_and_nan_keys(g):
+    """Subnormal keys, and NaN keys ordered by payload above +inf (and the NaN add rule)."""
+    cp, gpu = g
+    rng = np.random.default_rng(9)
+    n = 3000
+    sub = rng.integers(1, 1 << 23, n, dtype=np.uint32) | (rng.integers(0, 2, n, dtype=np.uint32) << 31)
+    x = sub.view(F32).copy()
+    x[::7] = 0.0
+    for k in (1, 10, 1500, 2999):
+        check_sp(cp, gpu, "topk", x, None, k)
+    # NaNs with distinct payloads (some signalling), infs; e NaN where x is finite
+    y = gen(n, 10)
+    pos = rng.choice(n, 60, replace=False)
+    y[pos[:40]] = (rng.integers(0x7f800001, 0x80000000, 40, dtype=np.uint64).astype(U32)
+                   | (rng.integers(0, 2, 40, dtype=np.uint32) << 31)).view(F32)
+    y[pos[40:]] = np.float32(np.inf) * np.where(rng.random(20) < 0.5, 1, -1).astype(F32)
+    e = gen(n, 11) * F32(0.1)
+    e[rng.choice(n, 30, replace=False)] = np.array([0x7f800005, 0xffa00007], U32).view(F32)[rng.integers(0, 2, 30)]
+    e[pos[40:50]] = -y[pos[40:50]]                                   # inf - inf: the default NaN
+    for k in (1, 20, 45, 70, 200):
+        want = check_sp(cp, gpu, "topk", y, e, k)
+        assert want[3] > 0
+        check_sp(cp, gpu, "topk", y, e, k, inplace=True, sizes=split_sizes(n, k))
+
+
+@pytest.mark.parametrize("n", [1, 33, 1000, 4097, 65537])
+def test_randomk_indices(g, n):
+    cp, gpu = g
+    for seed in (0, 1, 12345, 0x9E3779B97F4A7C15, (1 << 64) - 1, (1 << 64) - 1 - n // 2):
+        for k in sp_ks(n):
+            want = np.full(k, 0xDEADBEEF, U32)
+            core.randomk_indices(seed, n, k, want)
+            got = cp.full(k, 0xDEADBEEF, U32)
+            assert gpu.randomk_indices(seed, n, k, got) is None
+            same_bits(got.get(), want)
+
+
+@pytest.mark.parametrize("n", SP_SIZES)
+def test_randomk_compress(g, n):
+    x = gen(n, 400 + n)
+    e = gen(n, 401 + n) * F32(0.1)
+    for seed, k in [(0, min(1, n)), (7, n // 10), ((1 << 64) - 3, n // 2), (99, n), (5, 0)]:
+        sp_cases(x, e, k, "randomk", seed=seed, sizes=split_sizes(n, n + k) if n < 65537 else None)
+
+
+@pytest.mark.parametrize("kind", ["zero", "special", "nonfinite", "bits"])
+def test_randomk_compress_special(g, kind):
+    n = 1000
+    x = gen(n, 500, kind)
+    e = gen(n, 501, "special" if kind == "bits" else kind)
+    for k in (1, 100, n):
+        sp_cases(x, e, k, "randomk", seed=3, sizes=split_sizes(n, 8))
+
+
+def test_sparse_compress_device_count(g):
+    cp, gpu = g
+    x = gen(5000, 12, "nonfinite")
+    e = gen(5000, 13) * F32(0.1)
+    for fn, seed in (("topk", None), ("randomk", 11)):
+        want = check_sp(cp, gpu, fn, x, e, 50, count_out=True, seed=seed)
+        assert want[3] > 0
+        check_sp(cp, gpu, fn, x, e, 50, inplace=True, sizes=split_sizes(5000, 3), count_out=True, seed=seed)
+
+
+def test_sparse_compress_validation(g):
+    cp, gpu = g
+    x = cp.zeros(100, F32)
+    e0 = cp.zeros(0, F32)
+    v, i = cp.zeros(10, F32), cp.zeros(10, U32)
+    with pytest.raises(ValueError, match="k = 101"):
+        gpu.topk_compress_array(x, e0, e0, 101, cp.zeros(101, F32), cp.zeros(101, U32))
+    with pytest.raises(ValueError, match="values"):
+        gpu.topk_compress_array(x, e0, e0, 10, cp.zeros(9, F32), i)
+    with pytest.raises(ValueError, match="indices"):
+        gpu.randomk_compress_array(x, e0, e0, 1, 10, v, cp.zeros(11, U32))
+    with pytest.raises(ValueError, match="both"):
+        gpu.topk_compress_array(x, cp.zeros(100, F32), e0, 10, v, i)
+    with pytest.raises(ValueError, match="both"):
+        gpu.randomk_compress_array(x, cp.zeros(100, F32), cp.zeros(99, F32), 0, 10, v, i)
+    with pytest.raises(TypeError):
+        gpu.topk_compress_array(x, e0, e0, 10, v, cp.zeros(10, np.int32))
+    with pytest.raises(TypeError):
+        gpu.topk_compress_array(np.zeros(100, F32), e0, e0, 10, v, i)
+    with pytest.raises(ValueError, match="k = 5"):
+        gpu.randomk_indices(0, 4, 5, cp.zeros(5, U32))
+    with pytest.raises(ValueError, match="out has"):
+        gpu.randomk_indices(0, 40, 5, cp.zeros(4, U32))
+    with pytest.raises(ValueError, match="n = "):
+        gpu.randomk_indices(0, 1 << 32, 0, cp.zeros(0, U32))
+    with pytest.raises(OverflowError):
+        gpu.randomk_indices(-1, 4, 1, cp.zeros(1, U32))
+    with pytest.raises(ValueError, match="dense"):
+        gpu.topk_compress(np.array([x.data.ptr, x.data.ptr]), np.array([0, 7]), np.array([5, 5]), 0, 2,
+                          e0, e0, 1, cp.zeros(1, F32), cp.zeros(1, U32))
+    with pytest.raises(ValueError, match="range"):
+        gpu.randomk_compress(np.array([x.data.ptr]), np.array([0]), np.array([5]), 0, 2,
+                             e0, e0, 0, 1, cp.zeros(1, F32), cp.zeros(1, U32))
+    # the CPU raises the same kinds on the same mistakes
+    with pytest.raises(ValueError, match="k = 101"):
+        core.topk_compress_array(np.zeros(100, F32), np.zeros(0, F32), np.zeros(0, F32), 101,
+                                 np.zeros(101, F32), np.zeros(101, U32))
+    with pytest.raises(OverflowError):
+        core.randomk_indices(-1, 4, 1, np.zeros(1, U32))
+
+
+def test_sparse_compress_roundtrip(g):
+    """Top-k, then the GPU decompress: c == decompress + residual, element by element."""
+    cp, gpu = g
+    n, k = 20000, 200
+    x = gen(n, 21)
+    c = cp.asarray(x)
+    e = cp.zeros(n, F32)
+    v, i = cp.empty(k, F32), cp.empty(k, U32)
+    assert gpu.topk_compress_array(c, e, e, k, v, i) == 0
+    dec = cp.empty(n, F32)
+    gpu.sparse_decompress_sum_array(v[None, :], i[None, :], dec, 1.0)
+    same_bits((dec + e).get(), x)
+    ih = i.get()
+    assert np.all(np.diff(ih.astype(np.int64)) > 0)
+    assert np.abs(x[ih]).min() >= np.abs(np.delete(x, ih)).max()
+
+
+def test_sparse_compress_small_grids(g, monkeypatch):
+    """Tiny launches: one warp walks many tiles (grid-stride), the one-block scan sums
+    runs of several tiles per thread, 32-thread blocks zero and flush the shared
+    histograms in strides. Same bits as the CPU."""
+    cp, gpu = g
+    monkeypatch.setattr(gpu, "THREADS", 32)
+    monkeypatch.setattr(gpu, "_sp_grid_hist", lambda n: (2,))
+    monkeypatch.setattr(gpu, "_sp_grid_tiles", lambda ntiles: (1,))
+    n = 50000                                    # 49 tiles of 1024: 2 per scan thread
+    x = gen(n, 31)
+    x[::3] = F32(0.25)                           # ties at the threshold in every tile
+    e = gen(n, 32) * F32(0.01)
+    a = np.abs(x)
+    k_tie = int((a > 0.25).sum() + (a == 0.25).sum() // 2)    # T = 0.25, half its ties taken
+    check_sp(cp, gpu, "topk", x, None, k_tie)
+    for k in (1, 777, n // 3, n - 5):
+        check_sp(cp, gpu, "topk", x, None, k)
+        check_sp(cp, gpu, "topk", x, e, k, inplace=True, sizes=split_sizes(n, k))
+        check_sp(cp, gpu, "randomk", x, e, k, seed=k)

@@ -6,8 +6,14 @@
 //    between the 32 lanes; a lane that reaches an intrinsic that the others do not reach
 //    (divergence at a full-mask intrinsic, undefined on a GPU) aborts with a message;
 //  - float arithmetic of the _rn intrinsics is one IEEE operation each (built with
-//    -ffp-contract=off), like the GPU with --fmad=false; subnormals are kept.
-// Warps run one after the other (the kernels use no shared memory or __syncthreads).
+//    -ffp-contract=off), like the GPU with --fmad=false; subnormals are kept; a NaN
+//    result is the canonical 0x7fffffff, as on the GPU;
+//  - a block's threads are all fibers at once: __syncthreads() is a barrier that every
+//    thread of the block must reach (a thread that returned while others wait there, or
+//    a warp split between a barrier and a warp intrinsic, aborts). __shared__ variables
+//    are function statics: blocks run one after the other, so one copy serves them all
+//    (like a GPU, they start undefined for each block: the kernels initialise them).
+// Between barriers and warp intrinsics the warps of a block run one after the other.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -24,17 +30,25 @@ extern dim3 gridDim, blockDim;
 #define __device__
 #define __forceinline__ inline
 #define __align__(n) alignas(n)
+#define __shared__ static
 
 inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
 inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline int __float_as_int(float f) { int u; std::memcpy(&u, &f, 4); return u; }
 inline float __int_as_float(int u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline float __fadd_rn(float a, float b) { return a + b; }
-inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fmul_rn(float a, float b) { return a * b; }
-inline float __fdiv_rn(float a, float b) { return a / b; }
+// A NaN result is the GPU's canonical 0x7fffffff (x86 would keep an operand's payload),
+// so a kernel that must give x86's NaN bits has to do it explicitly, as on the device.
+inline float emu_gpu_nan(float r) { return r != r ? __uint_as_float(0x7fffffffu) : r; }
+inline float __fadd_rn(float a, float b) { return emu_gpu_nan(a + b); }
+inline float __fsub_rn(float a, float b) { return emu_gpu_nan(a - b); }
+inline float __fmul_rn(float a, float b) { return emu_gpu_nan(a * b); }
+inline float __fdiv_rn(float a, float b) { return emu_gpu_nan(a / b); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
+{
+    return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+}
+inline unsigned atomicAdd(unsigned* p, unsigned v)
 {
     return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
 }
@@ -45,17 +59,20 @@ inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v)
     return old;
 }
 
-// Lanes are fibers (ucontext) of one OS thread: a lane runs until it reaches a warp
-// intrinsic or returns; when all 32 lanes wait at the same intrinsic, the exchange is
-// computed and they resume. Lanes that wait while others returned, or that wait at
-// different intrinsics, are divergence at a full-mask intrinsic: abort with a message.
-enum { EMU_SHFL_DOWN = 1, EMU_SHFL = 2, EMU_BALLOT = 3 };
+// Lanes are fibers (ucontext) of one OS thread, every thread of the block at once: a
+// lane runs until it reaches a warp intrinsic, __syncthreads() or returns; when all 32
+// lanes of a warp wait at the same intrinsic, the exchange is computed and they resume;
+// when every thread of the block waits at __syncthreads(), they all resume. Lanes that
+// wait at a warp intrinsic while others of the warp returned or wait elsewhere are
+// divergence at a full-mask intrinsic; a barrier that some threads cannot reach is a
+// deadlock: both abort with a message. emu_cur is the thread index in the block.
+enum { EMU_SHFL_DOWN = 1, EMU_SHFL = 2, EMU_BALLOT = 3, EMU_SYNC = 4 };
 struct EmuLane {
     int state;            // 0 runnable, 1 waiting at an intrinsic, 2 returned
     int op, arg;
     uint64_t val, res;
 };
-extern EmuLane emu_lanes[32];
+extern EmuLane emu_lanes[];             // one per thread of the block
 extern int emu_cur;
 void emu_wait(int op, int arg, uint64_t val);
 
@@ -79,6 +96,11 @@ template <class T> inline T __shfl_sync(unsigned mask, T v, int src)
     emu_full(mask);
     emu_wait(EMU_SHFL, src, emu_bits(v));
     return emu_from<T>(emu_lanes[emu_cur].res);
+}
+
+inline void __syncthreads()
+{
+    emu_wait(EMU_SYNC, 0, 0);
 }
 
 inline unsigned __ballot_sync(unsigned mask, int pred)
