@@ -55,6 +55,16 @@ class HostBackend:
     host = staticmethod(to_host)
 
     @staticmethod
+    def plan_tables(plan):
+        """The plan's offset/count tables as the kernels take them (the plan itself)."""
+        return plan
+
+    @staticmethod
+    def pointers(ptrs):
+        """A step's pointer table as the kernels take it."""
+        return ptrs
+
+    @staticmethod
     def pack(buf, ptrs, offsets, nbytes, lo, hi):
         _core.pack(buf, ptrs, offsets, nbytes, lo, hi)
 
@@ -90,6 +100,14 @@ class HostBackend:
 
 
 HOST = HostBackend()
+
+
+class _PlanTables:
+    """A plan's four tables as resident device tables."""
+
+    def __init__(self, plan, resident):
+        self.offsets, self.nbytes = resident(plan.offsets), resident(plan.nbytes)
+        self.elem_offsets, self.counts = resident(plan.elem_offsets), resident(plan.counts)
 
 
 class CudaBackend:
@@ -128,6 +146,17 @@ class CudaBackend:
         dst.set(src)
 
     host = staticmethod(to_host)
+
+    def plan_tables(self, plan):
+        """The plan's tables as ``gpu.Resident`` (uploaded once per plan and device)."""
+        t = getattr(plan, "device_tables", None)
+        if t is None:
+            t = plan.device_tables = _PlanTables(plan, self.kernels.resident)
+        return t
+
+    def pointers(self, ptrs):
+        """A step's pointer table, uploaded once for all of the step's kernels."""
+        return self.kernels.resident(ptrs)
 
     def pack(self, buf, ptrs, offsets, nbytes, lo, hi):
         self.kernels.pack(buf, ptrs, offsets, nbytes, lo, hi)

@@ -225,13 +225,45 @@ def divisor_mode(divisor, who="decompress_sum"):
     return np.int32(1), f
 
 
+class Resident(np.ndarray):
+    """A host int64 table that will not change, with its device copies (one per device).
+
+    Make one with ``resident(table)``. The wrappers validate it like any host table but
+    upload it once per device instead of at every call; the pipeline keeps its plans'
+    offset/count tables this way and uploads each step's pointer tables once.
+    """
+
+    def __array_finalize__(self, obj):
+        self._dev = {}          # device id -> cupy copy (views and results start empty)
+
+
+def resident(table):
+    """A read-only ``Resident`` view of an int64 host table (see ``Resident``)."""
+    r = np.ascontiguousarray(table, dtype=_I64).view(Resident)
+    r._dev = {}
+    r.flags.writeable = False
+    return r
+
+
+def _upload(t):
+    """The device copy of host table ``t`` (cached on ``Resident`` tables)."""
+    if isinstance(t, Resident) and t.ndim == 1 and t.flags.c_contiguous:
+        dev = _device()
+        d = t._dev.get(dev)
+        if d is None:
+            d = t._dev[dev] = cupy().asarray(t.view(np.ndarray))
+        return d
+    return cupy().asarray(t)
+
+
 def _table(who, ptrs, offsets, counts, lo, hi, dense=False, buflen=None):
     """Device copies of a table and the largest row count of rows lo..hi-1."""
     cp = cupy()
     lo, hi = int(lo), int(hi)
     host = not isinstance(counts, cp.ndarray)
     if host:
-        ptrs, offsets, counts = (np.ascontiguousarray(t, dtype=_I64) for t in (ptrs, offsets, counts))
+        ptrs, offsets, counts = (t if isinstance(t, Resident) else np.ascontiguousarray(t, dtype=_I64)
+                                 for t in (ptrs, offsets, counts))
     if lo < 0 or lo > hi or hi > len(ptrs) or hi > len(offsets) or hi > len(counts):
         raise IndexError(f"{who}: table range {lo}:{hi} outside tables of "
                          f"{len(ptrs)}/{len(offsets)}/{len(counts)} rows")
@@ -247,7 +279,7 @@ def _table(who, ptrs, offsets, counts, lo, hi, dense=False, buflen=None):
             raise ValueError(f"{who}: buffer of {buflen} elements too short for the table")
         n = int(c.sum())
         mx = int(c.max()) if len(c) else 0
-        dev = tuple(cp.asarray(t) for t in (ptrs, offsets, counts))
+        dev = tuple(_upload(t) for t in (ptrs, offsets, counts))
     else:
         for t, nm in ((ptrs, "ptrs"), (offsets, "offsets"), (counts, "counts")):
             _arr(t, _I64, nm, who)

@@ -623,6 +623,7 @@ class Pipeline:
         src = in_ptrs[plan.order]
         dst = out_ptrs[plan.order]
         inplace = bool(np.array_equal(src, dst))
+        src, dst, tables = bk.pointers(src), bk.pointers(dst), bk.plan_tables(plan)
         # tensors reduced where they lie go to the communicator as numpy views
         in_objs, out_objs = list(in_objs), list(out_objs)
         if bk is HOST:
@@ -662,7 +663,7 @@ class Pipeline:
             size = float(comm.size)
             compressed = []
             if not comp.lossless:
-                compressed = self._start_compressed(entry, src, dst, size if average else 1.0, comm)
+                compressed = self._start_compressed(entry, src, dst, size if average else 1.0, comm, tables)
             # one rank, in place: the sum (and the mean) of one tensor is the tensor itself
             plain = () if comm.size == 1 and inplace else plan.buckets
             for b in plain:
@@ -677,13 +678,14 @@ class Pipeline:
                     if divide:
                         bk.div_inplace(out_objs[i], dst[b.lo], plan.counts[b.lo], b.code, size)
                 else:
-                    bk.pack(b.buffer, src, plan.offsets, plan.nbytes, b.lo, b.hi)
+                    off, nb = tables.offsets, tables.nbytes
+                    bk.pack(b.buffer, src, off, nb, b.lo, b.hi)
                     comm.allreduce_inplace(b.view())
                     if divide:
                         outs = () if bk is HOST else [out_objs[int(i)] for i in plan.order[b.lo:b.hi]]
-                        bk.unpack_div(b.buffer, dst, plan.offsets, plan.nbytes, b.lo, b.hi, b.code, size, outs)
+                        bk.unpack_div(b.buffer, dst, off, nb, b.lo, b.hi, b.code, size, outs)
                     else:
-                        bk.unpack(b.buffer, dst, plan.offsets, plan.nbytes, b.lo, b.hi)
+                        bk.unpack(b.buffer, dst, off, nb, b.lo, b.hi)
                 stats.bytes_reduced += b.nbytes
             for job in compressed.values() if compressed else ():
                 job.finish()
@@ -697,7 +699,7 @@ class Pipeline:
 
         return run
 
-    def _start_compressed(self, entry, src, dst, divisor, comm):
+    def _start_compressed(self, entry, src, dst, divisor, comm, tables):
         """Compress and exchange every float32 bucket; raise on every rank if any was non-finite.
 
         Returns {bucket index: job} for ``finish()`` once the plain buckets are done.
@@ -721,8 +723,9 @@ class Pipeline:
             key = (digest, b.index)
             st = state.bucket(key, n if comp.error_feedback else 0, server_n, algorithm, bk)
             ctx = BucketContext(bucket=b.index, step=state.step, device=bk.device)
-            job = JOBS[algorithm](comm, comp, b, (src, plan.elem_offsets, plan.counts, b.lo, b.hi),
-                                  (dst, plan.elem_offsets, plan.counts, b.lo, b.hi), st, ctx, divisor,
+            off, cnt = tables.elem_offsets, tables.counts
+            job = JOBS[algorithm](comm, comp, b, (src, off, cnt, b.lo, b.hi),
+                                  (dst, off, cnt, b.lo, b.hi), st, ctx, divisor,
                                   self._wire_cache.setdefault((cache_digest, b.index), {}), self.stats, bk)
             job.start()
             jobs[b.index] = job
