@@ -549,6 +549,8 @@ class Pipeline:
         except ImportError as e:
             raise TypeError(f"tensor {names[0]!r} is a CUDA array, and the GPU path needs cupy, which "
                             f"cannot be imported ({e}); install gradfuse[cuda12] or gradfuse[cuda13]") from None
+        if not self._backends and not gpu.available():
+            raise TypeError(f"tensor {names[0]!r} is a CUDA array, but cupy sees no CUDA device here")
         inplace = out is grads
         arrays, dev = _device_arrays(objs, names, inplace, cp)
         sig, in_ptrs, nbytes = _device_tables(arrays)
