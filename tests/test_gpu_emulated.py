@@ -61,3 +61,24 @@ def test_gpu_pipeline_multi_rank_on_simt_emulator(ranks):
     assert not timed_out, out[-4000:]
     assert code == 0, out[-8000:]
     assert out.count(" passed") == ranks and "skipped" not in out, out[-2000:]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (the SIMT emulator needs it)")
+def test_digits_example_gpu_branch_on_simt_emulator():
+    """examples/numpy_digits_compression.py --device gpu on 2 ranks, every compressor: on
+    the emulator the model math is numpy's, so the table must equal the CPU run's exactly
+    (accuracies, bytes, identical models), which checks the GPU pipeline end to end."""
+    from conftest import mpiexec_path
+    env = dict(os.environ)
+    env.pop("GRADFUSE_STALL_WARNING_S", None)
+    env.pop("GRADFUSE_STALL_TIMEOUT_S", None)
+    base = [mpiexec_path(), "-n", "2", sys.executable]
+    args = ["examples/numpy_digits_compression.py", "--compress", "all", "--epochs", "2"]
+    tables = []
+    for cmd in (base + args, base + ["tests/scripts/run_emulated.py"] + args + ["--device", "gpu"]):
+        code, out, timed_out = run_limited(cmd, timeout=300, env=env, cwd=ROOT)
+        assert not timed_out and code == 0, out[-6000:]
+        rows = sorted(line for line in out.splitlines() if line.startswith("| ") and "compressor" not in line)
+        assert len(rows) == 7 and all(r.rstrip().endswith("| yes |") for r in rows), out[-3000:]
+        tables.append(rows)
+    assert tables[0] == tables[1], tables

@@ -418,3 +418,16 @@ def _cuda_capsule(arr):
     new = ctypes.pythonapi.PyCapsule_New
     new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
     return new(ctypes.addressof(mt), b"dltensor", None)
+
+
+def __getattr__(name):
+    """Any other numpy function, with array results as emulator arrays (examples use
+    ``xp.exp``, ``xp.mean``, ...)."""
+    fn = getattr(np, name, None)
+    if fn is None or not callable(fn):
+        raise AttributeError(f"fakecupy has no attribute {name!r}")
+
+    def wrapped(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        return _wrap(out) if isinstance(out, np.ndarray) else out
+    return wrapped
