@@ -34,15 +34,17 @@ def test_gpu_kernels_on_simt_emulator():
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (the SIMT emulator needs it)")
 def test_gpu_pipeline_on_simt_emulator():
     """gradfuse.Pipeline on (emulated) GPU arrays, one rank: every compressor bit-identical
-    to the host path, call forms, checkpoints across devices, errors."""
+    to the host path, call forms, checkpoints across devices, errors; and the host-staged
+    communicator on 1 and 2 ranks (test_gpu_comm.py; its NCCL test is skipped)."""
     env = dict(os.environ)
     env["GRADFUSE_GPU_EMULATOR"] = "1"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-           "tests/test_gpu_pipeline.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rs",
+           "tests/test_gpu_pipeline.py", "tests/test_gpu_comm.py"]
     code, out, timed_out = run_limited(cmd, timeout=600, env=env, cwd=ROOT)
     assert not timed_out, out[-4000:]
     assert code == 0, out[-8000:]
-    assert " passed" in out and "skipped" not in out.splitlines()[-1], out[-2000:]
+    skipped = [line for line in out.splitlines() if line.startswith("SKIPPED")]
+    assert len(skipped) == 1 and "has no NCCL" in skipped[0], out[-3000:]
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (the SIMT emulator needs it)")
