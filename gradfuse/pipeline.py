@@ -171,6 +171,13 @@ def _on_device(obj):
     return False
 
 
+def _dlpack_device_id(obj):
+    try:
+        return int(obj.__dlpack_device__()[1])
+    except Exception:
+        return None
+
+
 def _device_arrays(objs, names, writable, cp):
     """cupy views of GPU tensors (no copies, except non-contiguous inputs) and their device.
 
@@ -178,7 +185,7 @@ def _device_arrays(objs, names, writable, cp):
     different devices, unsupported dtypes, read-only or non-contiguous outputs.
     """
     from .comm.nccl import as_device
-    arrays, device = [], None
+    arrays, device, first_device = [], None, None
     for obj, name in zip(objs, names):
         if isinstance(obj, cp.ndarray):
             arr = obj
@@ -191,9 +198,12 @@ def _device_arrays(objs, names, writable, cp):
                 got = obj
                 if not isinstance(obj, intake.DeviceArray) and hasattr(obj, "__dlpack__") \
                         and _on_device(obj):
-                    # the producer makes the caller's current stream wait for its work
-                    # (DLPack: 1 is the legacy default stream)
-                    stream = cp.cuda.get_current_stream().ptr or 1
+                    # the producer makes the current stream of the tensor's device wait for
+                    # its work (DLPack: 1 is the legacy default stream); the ready event is
+                    # recorded on that same stream
+                    dl_dev = _dlpack_device_id(obj)
+                    with cp.cuda.Device(dl_dev if dl_dev is not None else cp.cuda.runtime.getDevice()):
+                        stream = cp.cuda.get_current_stream().ptr or 1
                     try:
                         capsule = obj.__dlpack__(stream=stream)
                     except TypeError:
@@ -210,6 +220,8 @@ def _device_arrays(objs, names, writable, cp):
                 raise ValueError(f"tensor {name!r} is read-only; the results cannot be written into it")
         if arr.dtype not in _dt.CODE:
             raise TypeError(f"tensor {name!r}: dtype {arr.dtype} is not supported (supported: {_dt.SUPPORTED})")
+        if first_device is None:
+            first_device = arr.device.id
         if arr.size and device is None:
             device = arr.device.id
         elif arr.size and arr.device.id != device:
@@ -222,8 +234,8 @@ def _device_arrays(objs, names, writable, cp):
             with arr.device:     # on the tensor's own device (and its current stream)
                 arr = cp.ascontiguousarray(arr)
         arrays.append(arr)
-    if device is None:
-        device = cp.cuda.runtime.getDevice()
+    if device is None:      # only empty tensors: the device they were made on
+        device = first_device if first_device is not None else cp.cuda.runtime.getDevice()
     return arrays, device
 
 
@@ -449,7 +461,7 @@ class Pipeline:
                 "fusion_threshold": self.fusion_threshold,
                 "direct_threshold": self.direct_threshold}
 
-    def _intake_inputs(self, objs, names, flags, writable):
+    def _intake_inputs(self, objs, names, flags, writable, role="tensor"):
         """Slow path for inputs the C scan could not take as they are."""
         objs = list(objs)
         for i in np.flatnonzero(flags & _problems(writable)).tolist():
@@ -457,6 +469,8 @@ class Pipeline:
             if f & _core.FLAG_NOBUFFER:
                 arr = intake.as_array(objs[i], name)
                 if isinstance(arr, intake.DeviceArray):
+                    if role == "output":
+                        raise TypeError(f"output {name!r} is on a GPU but the gradients are in host memory")
                     raise TypeError(f"tensor {name!r} is on a GPU but tensor {names[0]!r} is in host "
                                     f"memory; all tensors of one call must be on the same device")
                 objs[i] = arr
@@ -473,13 +487,13 @@ class Pipeline:
                 objs[i] = np.ascontiguousarray(np.asarray(memoryview(objs[i])))
         return objs
 
-    def _read_tables(self, objs, names, writable):
+    def _read_tables(self, objs, names, writable, role="tensor"):
         sig, ptrs, nbytes, flags = _scan(objs)
         mask = _problems(writable)
         for _ in range(2):
             if not (flags & mask).any():
                 break
-            objs = self._intake_inputs(objs, names, flags, writable)
+            objs = self._intake_inputs(objs, names, flags, writable, role)
             sig, ptrs, nbytes, flags = _scan(objs)
         if (flags & mask).any():
             i = int(np.flatnonzero(flags & mask)[0])
@@ -525,7 +539,8 @@ class Pipeline:
         if inplace:
             out_objs, out_ptrs = objs, in_ptrs
         elif out is not None:
-            out_objs, out_sig, out_ptrs, out_nb = self._read_tables(_out_objects(out, names), names, writable=True)
+            out_objs, out_sig, out_ptrs, out_nb = self._read_tables(_out_objects(out, names), names,
+                                                                    writable=True, role="output")
             _check_out_signature(sig, out_sig, names)
         else:
             out_objs = [np.empty(s, dtype=_dt.DTYPE[c]) for c, s in zip(entry.codes, entry.shapes)]

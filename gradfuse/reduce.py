@@ -59,6 +59,11 @@ class BucketJob:
         self.nonfinite_ranks = []     # ranks that reported non-finite values (same everywhere)
         self.nonfinite_detail = ""
 
+    def fused(self):
+        """Whether the compressor's fused methods may run here (host, or a compressor
+        whose fused methods take device memory)."""
+        return self.bk is HOST or self.comp.supports_cuda
+
     def residuals(self):
         if self.comp.error_feedback:
             return self.state.cur, self.state.nxt
@@ -67,7 +72,7 @@ class BucketJob:
     def compress_into(self, payloads):
         """Fused kernel if the compressor has one, else the reference path."""
         e_in, e_out = self.residuals()
-        bad = self.comp.compress_table(self.src, e_in, e_out, payloads, self.ctx)
+        bad = self.comp.compress_table(self.src, e_in, e_out, payloads, self.ctx) if self.fused() else None
         if bad is None:
             bad = self.reference_compress(self.bk.gather_f32(self.src, self.n), payloads)
         return int(bad)
@@ -92,7 +97,7 @@ class BucketJob:
 
     def write_sum(self, rows, divisor):
         """Decode-sum-divide ``rows`` into the outputs (fused kernel or reference path)."""
-        if not self.comp.decompress_sum_table(rows, self.dst, divisor, self.ctx):
+        if not (self.fused() and self.comp.decompress_sum_table(rows, self.dst, divisor, self.ctx)):
             acc = self.comp.decompress_sum([self.bk.host(r) for r in rows], self.n, self.ctx)
             if divisor != 1.0:
                 acc = np.divide(acc, np.float32(divisor), dtype=np.float32)
@@ -141,7 +146,7 @@ class AllreduceJob(BucketJob):
             self.cache["buf16"] = buf
         prescale = float(self.comm.size) if self.comp.options.get("predivide") and self.divisor != 1.0 else 1.0
         e_in, e_out = self.residuals()
-        if e_in.size:
+        if e_in.size or not self.fused():
             g = bk.gather_f32(self.src, self.n)
             if prescale != 1.0:
                 g = np.divide(g, np.float32(prescale), dtype=np.float32)

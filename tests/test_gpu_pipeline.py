@@ -194,3 +194,45 @@ def test_gpu_resident_tables_upload_once(cp, comm):
     assert a.get().tolist() == b.get().tolist() == list(range(40))
     with pytest.raises(ValueError, match="a row has elements and a NULL pointer"):
         gpu.pack(b, gpu.resident(np.zeros(3, np.int64)), gpu.resident(offs), gpu.resident(sizes), 0, 3)
+
+
+def test_gpu_user_compressor_fused_methods_stay_on_host(cp, comm):
+    """A registered compressor whose fused methods take host pointers (no supports_cuda)
+    is run on the GPU through its plain methods: the fused ones never see device memory,
+    and the result equals the host path's."""
+    from gradfuse.compressors import register_compressor
+    from gradfuse.compressors.onebit import OneBit
+
+    calls = []
+
+    class HostOnlyOneBit(OneBit):
+        name = "test-hostonly-1bit"
+        supports_cuda = False
+
+        def compress_table(self, table, e_in, e_out, payloads, ctx):
+            calls.append(ctx.device)
+            return super().compress_table(table, e_in, e_out, payloads, ctx)
+
+        def decompress_sum_table(self, rows, table, divisor, ctx):
+            calls.append(ctx.device)
+            return super().decompress_sum_table(rows, table, divisor, ctx)
+
+    register_compressor("test-hostonly-1bit", HostOnlyOneBit)
+    run_steps(cp, "test-hostonly-1bit", {"block_size": 64, "algorithm": "allgather"}, rank=0, comm=comm, steps=2)
+    assert calls and set(calls) == {"cpu"}, calls
+
+
+def test_gpu_output_for_host_gradients_named(cp, comm):
+    class Foreign:
+        def __init__(self, arr):
+            self.__cuda_array_interface__ = arr.__cuda_array_interface__
+
+    pipe = gradfuse.Pipeline(comm=comm)
+    with pytest.raises(TypeError, match="output 'a' is on a GPU but the gradients are in host memory"):
+        pipe.allreduce({"a": np.ones(3, np.float32)}, out={"a": Foreign(cp.zeros(3, cp.float32))})
+
+
+def test_gpu_only_empty_tensors(cp, comm):
+    pipe = gradfuse.Pipeline(compress="1bit", comm=comm)
+    out = pipe.allreduce({"e": cp.zeros((0, 4), cp.float32), "f": cp.zeros(0, cp.float32)})
+    assert out["e"].shape == (0, 4) and out["f"].shape == (0,) and isinstance(out["e"], cp.ndarray)

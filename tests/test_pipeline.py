@@ -179,3 +179,16 @@ def test_configuration_is_read_only(comm):
                         ("compressor", None)):
         with pytest.raises(AttributeError):
             setattr(pipe, attr, value)
+
+
+def test_single_process_communicator_refuses_a_non_contiguous_destination():
+    """Its copies write through a flat view; a strided destination would get a copy and
+    the result would be lost, so it is an error (the pipeline always passes contiguous)."""
+    from gradfuse.comm.single import SingleProcessCommunicator
+    comm = SingleProcessCommunicator()
+    dst = np.zeros((4, 4), np.float32)[:, :2]
+    with pytest.raises(ValueError, match="destination arrays must be C-contiguous"):
+        comm.allreduce(np.ones((4, 2), np.float32), dst)
+    ok = np.zeros((4, 2), np.float32)
+    comm.allreduce(np.ones((4, 2), np.float32), ok)
+    assert ok.sum() == 8.0

@@ -6,15 +6,19 @@ assignments in the arrays' own memory.
 import numpy as np
 
 
-def _flat(a):
-    """A flat view of an array (numpy or cupy) or of a buffer exporter."""
+def _flat(a, dst=False):
+    """A flat view of an array (numpy or cupy) or of a buffer exporter. A destination
+    must be contiguous: the flat view of anything else would be a copy, and the
+    results would be lost."""
     if not hasattr(a, "reshape") or not hasattr(a, "dtype"):
         a = np.asarray(memoryview(a))
+    if dst and a.size > 1 and not a.flags.c_contiguous:
+        raise ValueError("single-process communicator: destination arrays must be C-contiguous")
     return a.reshape(-1)
 
 
 def _copy(dst, src):
-    d, s = _flat(dst), _flat(src)
+    d, s = _flat(dst, True), _flat(src)
     d[...] = s
 
 from .base import Communicator
@@ -70,12 +74,12 @@ class SingleProcessCommunicator(Communicator):
         _copy(dst, src)
 
     def allgatherv(self, src, dst, counts):
-        _flat(dst)[:counts[0]] = _flat(src)
+        _flat(dst, True)[:counts[0]] = _flat(src)
 
     alltoall = allgather
 
     def alltoallv(self, src, send_counts, dst, recv_counts):
-        _flat(dst)[:recv_counts[0]] = _flat(src)[:send_counts[0]]
+        _flat(dst, True)[:recv_counts[0]] = _flat(src)[:send_counts[0]]
 
     def reduce_scatter(self, src, dst, counts, op="sum"):
         _copy(dst, _flat(src)[:counts[0]])

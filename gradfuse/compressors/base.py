@@ -30,8 +30,9 @@ sums every payload), or ``"allreduce"`` for formats the network can sum directly
 ``device`` is ``"cpu"`` or ``"cuda"``: on ``"cuda"`` the table pointers, residuals and
 payloads of the fused methods are device memory (cupy arrays); ``kernels(ctx)`` and
 ``array_module(ctx)`` give ``gradfuse._core`` / numpy or ``gradfuse.gpu`` / cupy, whose
-functions take the same arguments. A compressor with only the plain methods works on
-both: on the GPU its plain methods run on host copies (slower, same bits).
+functions take the same arguments, and set ``supports_cuda = True``. Any other
+compressor works on both: on the GPU its plain methods run on host copies (slower, same
+bits) and its fused methods are not called.
 """
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -85,6 +86,10 @@ class Compressor(ABC):
 
     name = "abstract"
     lossless = False
+    # True when the fused methods (compress_table, decompress_sum_table, pack) also take
+    # device memory (kernels(ctx)); otherwise the GPU path uses the plain methods on host
+    # copies, so a fused method written for host pointers never sees a device pointer
+    supports_cuda = False
     collective = "allgather"
     error_feedback_default = False
     OPTIONS = {}                # option name -> default value

@@ -20,6 +20,7 @@ class Cast16(Compressor):
     """Base of the 16-bit cast compressors."""
 
     collective = "allreduce"
+    supports_cuda = True
     fmt = 0
     OPTIONS = {"predivide": False}
 

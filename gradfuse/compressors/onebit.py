@@ -28,6 +28,7 @@ TWOPHASE_MIN_ELEMENTS = 1 << 16
 class OneBit(Compressor):
     name = "1bit"
     error_feedback_default = True
+    supports_cuda = True
     OPTIONS = {"block_size": 512, "algorithm": "auto"}
 
     def validate(self):

@@ -23,6 +23,7 @@ def step_seed(seed, step, bucket):
 class RandomK(Compressor):
     name = "randomk"
     error_feedback_default = True
+    supports_cuda = True
     OPTIONS = {"ratio": 0.01, "seed": 0}
 
     def validate(self):

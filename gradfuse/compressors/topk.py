@@ -26,6 +26,7 @@ def check_ratio(opts):
 class TopK(Compressor):
     name = "topk"
     error_feedback_default = True
+    supports_cuda = True
     OPTIONS = {"ratio": 0.01}
 
     def validate(self):

@@ -15,6 +15,7 @@ from .base import Compressor, kernels
 class TwoBit(Compressor):
     name = "2bit"
     error_feedback_default = True
+    supports_cuda = True
     OPTIONS = {"threshold": 0.5}
 
     def validate(self):
