@@ -607,18 +607,20 @@ class Pipeline:
             raise ValueError(f"the tensors are on GPU {dev} but the communicator {ctx.comm.describe()} "
                              f"serves GPU {ctx.comm.device}")
         with runtime._lock:
-            claimed = ctx.__dict__.setdefault("gpu_device", dev)
+            if ctx.gpu_device is None:
+                ctx.gpu_device = dev
+            claimed = ctx.gpu_device
         if claimed != dev:
             raise ValueError(f"the tensors are on GPU {dev}, but this rank's earlier GPU steps on this "
                              f"communicator used GPU {claimed}; each rank must keep to one GPU")
 
     def _gpu_comm(self, dev):
-        """The data-plane communicator for GPU buffers on device ``dev`` (made once per
-        runtime context, collectively, on the communication thread after the ranks agreed
-        on a GPU step): NCCL, else MPI through pinned host memory (with a warning)."""
+        """The data-plane communicator for GPU buffers on device ``dev`` (the device
+        ``_claim_device`` fixed; made once per runtime context, collectively, on the
+        communication thread after the ranks agreed on a GPU step): NCCL, else MPI through
+        pinned host memory (with a warning)."""
         ctx = self._ctx
-        comms = ctx.__dict__.setdefault("gpu_comms", {})
-        comm = comms.get(dev)
+        comm = ctx.gpu_comm
         if comm is None:
             from .comm.mpi import MPICommunicator
             from .comm.nccl import _GPUComm, make_gpu_communicator
@@ -631,7 +633,7 @@ class Pipeline:
             else:
                 raise TypeError(f"{type(base).__name__} cannot carry GPU buffers; give Pipeline an MPI, "
                                 f"NCCL or single-process communicator")
-            comms[dev] = comm
+            ctx.gpu_comm = comm
         return comm
 
     def _job(self, entry, in_objs, out_objs, in_ptrs, out_ptrs, result, ready=None):
@@ -653,29 +655,22 @@ class Pipeline:
         comp = self.compressor
 
         def run():
+            try:
+                ctx.coordinator.negotiate(entry.request, self._step_tag())
+            except BaseException:
+                stats.failed_steps += 1
+                raise
             if bk is HOST:
                 return step(ctx.comm)
-            cp = bk.xp
-            with cp.cuda.Device(bk.device_id), bk.stream:
-                try:
-                    ctx.coordinator.negotiate(entry.request, self._step_tag())
-                except BaseException:
-                    stats.failed_steps += 1
-                    raise
+            with bk.xp.cuda.Device(bk.device_id), bk.stream:
                 comm = self._gpu_comm(bk.device_id)
                 bk.stream.wait_event(ready)       # the producer of the gradients is done
                 try:
-                    return step(comm, negotiated=True)
+                    return step(comm)
                 finally:
                     bk.synchronize()      # nothing of this step still runs when wait() returns
 
-        def step(comm, negotiated=False):
-            if not negotiated:
-                try:
-                    ctx.coordinator.negotiate(entry.request, self._step_tag())
-                except BaseException:
-                    stats.failed_steps += 1
-                    raise
+        def step(comm):
             divide = average and comm.size > 1
             size = float(comm.size)
             compressed = []

@@ -18,6 +18,10 @@ class Context:
         self.comm = comm
         self.coordinator = Coordinator(comm)
         self.engine = Engine(name=f"gradfuse-comm-{comm.kind}")
+        # the GPU this rank uses with this communicator (one per rank), and the data-plane
+        # communicator for its buffers (made on the first GPU step; gradfuse.pipeline)
+        self.gpu_device = None
+        self.gpu_comm = None
 
 
 def _wrap(comm):
