@@ -368,75 +368,51 @@ class HostStagedCommunicator(_GPUComm):
         d.set(h)
         _cupy().cuda.get_current_stream().synchronize()
 
-    def allreduce_inplace(self, arr):
+    def _inplace(self, arr, collective, *args):
+        """``collective(host copy, *args)`` on one buffer, copied down and back up."""
         d, h = self._down(arr)
-        self.mpi.allreduce_inplace(h)
+        collective(h, *args)
         self._up(d, h)
         return arr
+
+    def allreduce_inplace(self, arr):
+        return self._inplace(arr, self.mpi.allreduce_inplace)
+
+    def _pair(self, src, dst, collective, *args):
+        """``collective(host src, host dst, *args)``: ``src`` copied down, ``dst`` back up."""
+        _, ha = self._down(src, "a")
+        b = as_device(dst)
+        hb = self._host("b", b.shape, b.dtype)
+        collective(ha, hb, *args)
+        self._up(b, hb)
+        return dst
 
     def allreduce(self, src, dst):
-        a, ha = self._down(src, "a")
-        b = as_device(dst)
-        hb = self._host("b", b.shape, b.dtype)
-        self.mpi.allreduce(ha, hb)
-        self._up(b, hb)
-        return dst
+        return self._pair(src, dst, self.mpi.allreduce)
 
     def allreduce_op(self, src, dst, op):
-        a, ha = self._down(src, "a")
-        b = as_device(dst)
-        hb = self._host("b", b.shape, b.dtype)
-        self.mpi.allreduce_op(ha, hb, op)
-        self._up(b, hb)
-        return dst
+        return self._pair(src, dst, self.mpi.allreduce_op, op)
 
     def allreduce16(self, buf, fmt):
-        d, h = self._down(buf)
-        self.mpi.allreduce16(h, fmt)
-        self._up(d, h)
-        return buf
+        return self._inplace(buf, self.mpi.allreduce16, fmt)
 
     def bcast(self, arr, root):
-        d, h = self._down(arr)
-        self.mpi.bcast(h, root)
-        self._up(d, h)
-        return arr
-
-    def _two(self, src, dst):
-        a, ha = self._down(src, "a")
-        b = as_device(dst)
-        hb = self._host("b", b.shape, b.dtype)
-        return b, ha, hb
+        return self._inplace(arr, self.mpi.bcast, root)
 
     def allgather(self, src, dst):
-        b, ha, hb = self._two(src, dst)
-        self.mpi.allgather(ha, hb)
-        self._up(b, hb)
-        return dst
+        return self._pair(src, dst, self.mpi.allgather)
 
     def allgatherv(self, src, dst, counts):
-        b, ha, hb = self._two(src, dst)
-        self.mpi.allgatherv(ha, hb, counts)
-        self._up(b, hb)
-        return dst
+        return self._pair(src, dst, self.mpi.allgatherv, counts)
 
     def alltoall(self, src, dst):
-        b, ha, hb = self._two(src, dst)
-        self.mpi.alltoall(ha, hb)
-        self._up(b, hb)
-        return dst
+        return self._pair(src, dst, self.mpi.alltoall)
 
     def alltoallv(self, src, send_counts, dst, recv_counts):
-        b, ha, hb = self._two(src, dst)
-        self.mpi.alltoallv(ha, send_counts, hb, recv_counts)
-        self._up(b, hb)
-        return dst
+        return self._pair(src, dst, lambda ha, hb: self.mpi.alltoallv(ha, send_counts, hb, recv_counts))
 
     def reduce_scatter(self, src, dst, counts, op="sum"):
-        b, ha, hb = self._two(src, dst)
-        self.mpi.reduce_scatter(ha, hb, counts, op)
-        self._up(b, hb)
-        return dst
+        return self._pair(src, dst, self.mpi.reduce_scatter, counts, op)
 
     def split(self, ranks):
         sub = self.mpi.split(ranks)
