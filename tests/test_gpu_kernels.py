@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers import gen  # noqa: E402
 from conftest_gpu import require_gpu  # noqa: E402
 
 import gradfuse._core as core  # noqa: E402
@@ -23,10 +24,6 @@ pytestmark = pytest.mark.gpu
 F32 = np.float32
 U32 = np.uint32
 SIZES = [0, 1, 7, 31, 32, 33, 63, 64, 65, 97, 511, 512, 513, 1009, 4097, 65537, (1 << 20) + 13]
-SPECIAL = np.array([0.0, -0.0, 65504, -65504, 65520, -65520, 1e5, -1e5, 6e-8, -6e-8, 1e-8,
-                    -1e-8, 1e-40, -1e-40, 1.4e-45, -1.4e-45, 3e38, -3e38, 1.0, -1.0],
-                   dtype=F32)
-NONFINITE = np.array([np.nan, -np.nan, np.inf, -np.inf], F32)
 
 
 @pytest.fixture(scope="module")
@@ -56,27 +53,6 @@ def same(a, b):
         same_bits(a[~na], b[~nb])
     else:
         same_bits(a, b)
-
-
-def gen(n, seed, kind="normal"):
-    rng = np.random.default_rng(seed)
-    if kind == "normal":
-        return (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 100.0])).astype(F32)
-    if kind == "zero":
-        return np.zeros(n, F32)
-    if kind == "negzero":
-        return np.full(n, -0.0, F32)
-    if kind == "special":
-        return rng.choice(SPECIAL, n).astype(F32)
-    if kind == "nonfinite":
-        x = (rng.standard_normal(n)).astype(F32)
-        if n:
-            k = rng.integers(0, n, max(1, n // 100))
-            x[k] = rng.choice(NONFINITE, len(k))
-        return x
-    if kind == "bits":        # arbitrary patterns: NaN payloads, subnormals, everything
-        return rng.integers(0, 1 << 32, n, dtype=np.uint64).astype(U32).view(F32)
-    raise AssertionError(kind)
 
 
 def host_table(arrs):

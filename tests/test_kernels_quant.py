@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from helpers import SPECIAL, gen  # noqa: E402
 import ref_quant as ref  # noqa: E402
 
 import gradfuse._core as core  # noqa: E402
@@ -14,9 +15,6 @@ import gradfuse._core as core  # noqa: E402
 F32 = np.float32
 PATHS = [True, False] if core.simd_info()["cpu_avx2_f16c"] else [True]
 SIZES = [0, 1, 7, 31, 32, 33, 63, 64, 65, 97, 511, 512, 513, 1009, 4097, 65537]
-SPECIAL = np.array([0.0, -0.0, 65504, -65504, 65520, -65520, 1e5, -1e5, 6e-8, -6e-8, 1e-8,
-                    -1e-8, 1e-40, -1e-40, 1.4e-45, -1.4e-45, 3e38, -3e38, 1.0, -1.0],
-                   dtype=F32)
 
 
 @pytest.fixture(params=PATHS, ids=lambda s: "scalar" if s else "avx2")
@@ -37,19 +35,6 @@ def same(a, b):
         assert np.array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32))
     else:
         assert np.array_equal(a, b)
-
-
-def gen(n, seed, kind="normal"):
-    rng = np.random.default_rng(seed)
-    if kind == "normal":
-        return (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 100.0])).astype(F32)
-    if kind == "zero":
-        return np.zeros(n, F32)
-    if kind == "negzero":
-        return np.full(n, -0.0, F32)
-    if kind == "special":
-        return rng.choice(SPECIAL, n).astype(F32)
-    raise AssertionError(kind)
 
 
 def table(arrs):
