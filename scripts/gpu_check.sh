@@ -5,7 +5,8 @@
 #   bash scripts/gpu_check.sh            # from the repository root, on the GPU machine
 #
 # Uses the packages already on the image (Python 3.12, numpy 2, cupy-cuda13x, Cython,
-# pytest, mpi4py). Steps: build gradfuse in place; 1) compile every kernel with
+# pytest, mpi4py), plus any wheels carried in .wheels/ (scripts/fetch_device_wheels.sh:
+# an MPI, where the image has none). Steps: build gradfuse in place; 1) compile every kernel with
 # cupy.RawModule (NVRTC); 2) the GPU tests with GRADFUSE_TEST_GPU=1 (a missing GPU is a
 # failure there): kernels, communicators, the Pipeline on cupy arrays (1 rank, and 2 ranks
 # under mpiexec: host-staged, since NCCL refuses two ranks on one GPU); 3) the kernel
@@ -24,6 +25,22 @@ fail=0
 say "machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "(no nvidia-smi)"
 $PY -c "import sys, numpy, cupy; print('python', sys.version.split()[0], '| numpy', numpy.__version__, '| cupy', cupy.__version__, '| devices', cupy.cuda.runtime.getDeviceCount())" || fail=1
+
+# wheels carried along (scripts/fetch_device_wheels.sh: an MPI where the image has none);
+# offline, and only packages the image lacks, so nothing already there is replaced
+WHEELS=${GRADFUSE_WHEELS:-.wheels}
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+    for whl in "$WHEELS"/*.whl; do
+        name=$(basename "$whl" | cut -d- -f1)
+        if $PY -m pip show -q "$name" > /dev/null 2>&1; then
+            echo "wheel $name: already installed, kept"
+        else
+            say "install carried wheel $(basename "$whl")"
+            timeout 60 $PY -m pip install -q --no-index --no-deps "$whl" || echo "(install of $whl failed)"
+        fi
+    done
+fi
+$PY -c "from mpi4py import MPI; print('MPI:', MPI.Get_library_version().splitlines()[0])" 2>&1 | tail -1
 
 say "build: $PY setup.py build_ext --inplace"
 if ! timeout 120 $PY setup.py build_ext --inplace > "$LOGS/gpu_build.log" 2>&1; then
