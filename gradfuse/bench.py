@@ -359,11 +359,12 @@ def bench_collectives(rounds, sets):
         for set_name, (total, t, sent) in table.items():
             ring = 2 * (p - 1) / p * total          # what a bandwidth-optimal fp32 allreduce sends
             for k in t:
-                b = sent[k] if k != "none" else ring
+                b = sent[k]
                 print(f"| {set_name} | {k} | {t[k] * 1e3:.2f} | {t['none'] / t[k]:.2f}x | "
                       f"{b / 1e6:.3f} MB | {ring / b:.1f}x |")
-        print("\n'none' bytes: a bandwidth-optimal allreduce's 2(p-1)/p x S (the MPI library decides the "
-              "real traffic). Compressed rows: gradfuse's own count of payload bytes it sent.")
+        print("\nBytes: Pipeline.stats.bytes_sent per step. Compressed payloads as gradfuse sends them; "
+              "uncompressed buckets ('none', non-float32) as a bandwidth-optimal allreduce's 2(p-1)/p x S "
+              "(the MPI library decides the real traffic).")
 
 
 def bench_threshold(rounds, sets):

@@ -40,7 +40,7 @@ from .compressors.base import BucketContext
 from .control import Request
 from .errors import NonFiniteError
 from .plan import FusionPlan, parse_signature
-from .reduce import JOBS, twophase_chunk
+from .reduce import JOBS, ring_bytes, twophase_chunk
 from .state import CompressionState
 
 _F32 = _dt.CODE[np.dtype(np.float32)]
@@ -52,7 +52,10 @@ class Stats:
 
     ``bytes_reduced`` counts the gradient bytes a step reduced (uncompressed size), so a
     collective that was stopped by the control plane or the non-finite policy adds 0.
-    ``bytes_sent`` estimates the compressed payload bytes this rank put on the wire.
+    ``bytes_sent`` estimates the bytes this rank put on the wire: a compressed bucket's
+    payloads as its collective sends them, an uncompressed allreduce (``none``, warm-up
+    steps, non-float32 buckets) as a bandwidth-optimal one's 2(p-1)/p x its size (the MPI
+    library or NCCL picks the real algorithm).
     ``cast_overflow``/``cast_underflow`` count fp16/bf16 values that became inf / zero.
     """
 
@@ -699,6 +702,7 @@ class Pipeline:
                     else:
                         bk.unpack(b.buffer, dst, off, nb, b.lo, b.hi)
                 stats.bytes_reduced += b.nbytes
+                stats.bytes_sent += ring_bytes(b.nbytes, comm.size)
             for job in compressed.values() if compressed else ():
                 job.finish()
                 stats.bytes_reduced += job.bucket.nbytes

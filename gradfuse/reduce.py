@@ -18,6 +18,11 @@ from .backend import HOST
 from .compressors.error_feedback import EMPTY, compress_with_feedback
 
 
+def ring_bytes(nbytes, p):
+    """What a bandwidth-optimal allreduce of ``nbytes`` sends per rank: 2(p-1)/p of it."""
+    return 2 * nbytes * (p - 1) // max(p, 1)
+
+
 def _align8(n):
     return (n + 7) & ~7
 
@@ -159,7 +164,7 @@ class AllreduceJob(BucketJob):
         self.divisor_after = 1.0 if prescale != 1.0 else self.divisor
         self.comm.allreduce16(buf, self.comp.fmt)
         p = self.comm.size
-        self.stats.bytes_sent += 2 * self.n * 2 * (p - 1) // max(p, 1)
+        self.stats.bytes_sent += ring_bytes(2 * self.n, p)
         mask = self.comp.nonfinite_mask()
         bad = int(bk.xp.count_nonzero((buf & mask) == mask))
         if bad:
