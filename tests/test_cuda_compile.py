@@ -2,7 +2,9 @@
 
 1. nvcc, for sm_80 and sm_90 (one nvcc per file, both targets in one call, files in
    parallel), with the flags the runtime uses (--fmad=false, C++14). A syntax error fails
-   the test. Skipped only when nvcc is missing.
+   the test. Then ptxas's resource report: each kernel's registers and static shared
+   memory fit a launch of gpu.THREADS threads, and nothing spills. Skipped only when nvcc
+   is missing.
 2. The NVRTC rules checked as text: no #include (NVRTC has no host headers), no
    <cstdint>-style types, no FMA intrinsics, no CUDA half/bf16 conversions (they return a
    canonical NaN), and every kernel listed in gradfuse.gpu.FAMILIES is defined.
@@ -51,7 +53,7 @@ def test_nvcc_compiles_every_kernel_sm80_sm90():
             unit = os.path.join(tmp, name)
             with open(unit, "w") as f:
                 f.write(_source(name))
-            cmd = [nvcc, "-std=c++14", "--fmad=false", "-c",
+            cmd = [nvcc, "-std=c++14", "--fmad=false", "-c", "-Xptxas", "-v",
                    "-gencode", "arch=compute_80,code=sm_80",
                    "-gencode", "arch=compute_90,code=sm_90",
                    "-o", os.path.join(tmp, name + ".o"), unit]
@@ -62,6 +64,27 @@ def test_nvcc_compiles_every_kernel_sm80_sm90():
             results = list(ex.map(build, CU_FILES))
     failed = [f"{name}:\n{out}" for name, rc, out in results if rc != 0]
     assert not failed, "nvcc failed:\n" + "\n".join(failed)
+
+    # What only a launch on a GPU would otherwise tell: every kernel's resources (ptxas -v)
+    # fit the one launch shape gradfuse uses, THREADS threads and no dynamic shared memory.
+    from gradfuse import gpu
+    seen, problems = set(), []
+    for name, _, out in results:
+        for kernel, arch, body in re.findall(r"Compiling entry function '(\w+)' for '(sm_\d+)'(.*?)"
+                                             r"(?=Compiling entry function|\Z)", out, re.S):
+            seen.add(kernel)
+            regs = int(re.search(r"Used (\d+) registers", body).group(1))
+            smem = sum(int(b) for b in re.findall(r"(\d+) bytes smem", body))
+            spill = [int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", body)]
+            if regs * gpu.THREADS > 65536:      # registers per block on sm_80 / sm_90
+                problems.append(f"{kernel} ({arch}): {regs} registers x {gpu.THREADS} threads > 65536")
+            if smem > 48 * 1024:                # static shared memory without an opt-in
+                problems.append(f"{kernel} ({arch}): {smem} bytes of static shared memory > 48 KiB")
+            if any(spill):
+                problems.append(f"{kernel} ({arch}): spills registers to local memory ({spill} bytes)")
+    assert not problems, "\n".join(problems)
+    expected = {k for fam in gpu.FAMILIES.values() for k in fam}
+    assert seen >= expected, f"ptxas reported no resources for {sorted(expected - seen)}"
 
 
 @pytest.mark.parametrize("name", CU_FILES)
