@@ -66,7 +66,13 @@ def test_nccl_one_rank(env):
     comm = NCCLCommunicator(MPI.COMM_SELF)
     assert comm.size == 1 and comm.kind == "nccl"
     _exercise(comm, cp)
-    assert make_gpu_communicator(MPI.COMM_SELF).kind == "nccl"
+    other = make_gpu_communicator(MPI.COMM_SELF)
+    assert other.kind == "nccl"
+    for c in (comm, other):          # destroyed now, not by the garbage collector at exit
+        c.close()
+        c.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        comm.allreduce_inplace(cp.zeros(4, cp.float32))
 
 
 def test_host_staged_one_rank(env):
@@ -75,6 +81,11 @@ def test_host_staged_one_rank(env):
     with pytest.warns(RuntimeWarning, match="NCCL is not usable"):
         comm = HostStagedCommunicator(MPI.COMM_SELF, reason="test")
     _exercise(comm, cp)
+    # one pinned buffer per role, grown for larger payloads, not one per payload size
+    assert set(comm._pinned) <= {"a", "b"}
+    biggest = max(b.size for b in comm._pinned.values())
+    _exercise(comm, cp)
+    assert set(comm._pinned) <= {"a", "b"} and max(b.size for b in comm._pinned.values()) == biggest
 
 
 def test_host_staged_two_ranks(env):

@@ -22,7 +22,9 @@ they follow docs/compressors.md. ``sum16="nccl"`` uses NCCL's native half/bfloat
 
 Nothing here has run on a GPU yet (see docs/gpu.md).
 """
+import atexit
 import warnings
+import weakref
 
 import numpy as np
 
@@ -107,6 +109,15 @@ class _GPUComm(Communicator):
         self.mpi.abort(code)
 
 
+def _close_at_exit(ref):
+    comm = ref()
+    if comm is not None:
+        try:
+            comm.close()
+        except Exception:       # at exit: a broken device or NCCL must not hide the real error
+            pass
+
+
 class NCCLCommunicator(_GPUComm):
     """NCCL data plane on one GPU per rank, MPI control plane.
 
@@ -149,6 +160,21 @@ class NCCLCommunicator(_GPUComm):
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._u8 = _const(nccl, "NCCL_UINT8", _NCCL_DTYPES, "uint8")
         self._scratch = {}
+        # destroy the NCCL communicator at exit before MPI finalizes (atexit runs last-in
+        # first-out, and mpi4py registered its finalizer when it was imported), not
+        # whenever the garbage collector reaches it after CUDA or MPI is gone
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def close(self):
+        """Destroy the NCCL communicator now (also done at exit); later collectives raise.
+        Idempotent."""
+        comm, self.nccl = getattr(self, "nccl", None), None
+        if comm is None:
+            return
+        try:
+            self.stream.synchronize()
+        finally:
+            comm.destroy()
 
     def describe(self):
         return f"nccl communicator, rank {self.rank} of {self.size}, device {self.device}"
@@ -167,6 +193,8 @@ class NCCLCommunicator(_GPUComm):
 
     def _begin(self):
         """Make our stream wait for the caller's current stream (the data's producer)."""
+        if self.nccl is None:
+            raise RuntimeError(f"{self.describe()}: the NCCL communicator was closed")
         cp = _cupy()
         ev = cp.cuda.get_current_stream().record()
         self.stream.wait_event(ev)
@@ -348,13 +376,15 @@ class HostStagedCommunicator(_GPUComm):
         return f"host-staged MPI communicator, rank {self.rank} of {self.size}, device {self.device}"
 
     def _host(self, key, shape, dtype):
+        """A page-locked host view of ``shape``: one buffer per key ("a", "b"), grown when a
+        larger payload comes (not one per size: pinned memory is scarce and never paged)."""
         import cupyx
         nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        k = (key, nbytes)
-        raw = self._pinned.get(k)
-        if raw is None:
+        raw = self._pinned.get(key)
+        if raw is None or raw.size < nbytes:
+            self._pinned.pop(key, None)
             raw = cupyx.empty_pinned(max(nbytes, 1), np.uint8)   # page-locked: fast copies
-            self._pinned[k] = raw
+            self._pinned[key] = raw
         return raw[:nbytes].view(dtype).reshape(shape)
 
     def _down(self, arr, key="a"):
