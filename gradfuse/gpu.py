@@ -1,10 +1,11 @@
 """GPU kernels of gradfuse: the CUDA twins of ``gradfuse._core``, loaded through cupy.
 
 The kernels live in ``cuda/*.cu`` (package data ``gradfuse.cuda``), one file per family:
-``pack.cu``, ``cast.cu``, ``onebit.cu``, ``twobit.cu``. Each file is compiled at run time
-by NVRTC through ``cupy.RawModule`` with ``OPTIONS`` (no FMA contraction, IEEE division,
-no flush to zero) the first time a kernel of that family runs on a device, and cached per
-device for the life of the process.
+``pack.cu``, ``cast.cu``, ``onebit.cu``, ``twobit.cu``, ``sparse.cu``. Each file is
+compiled at run time by NVRTC (the one cupy loads) with exactly ``OPTIONS`` (no FMA
+contraction, IEEE division, no flush to zero) for the device's architecture, kept in
+cupy's kernel cache directory, and loaded with ``cupy.RawModule(path=...)`` once per
+device; ``compile_all()`` then checks on the device that subnormals survive.
 
 Contract (same as the CPU kernels, see docs/compressors.md and docs/gpu.md): the same
 arguments give the same bits as ``gradfuse._core``; Python validates and allocates, the
@@ -25,11 +26,12 @@ can run at all.
 This code has NOT run on a GPU yet: it compiles (nvcc sm_80/sm_90, NVRTC) and imports,
 and ``tests/test_gpu_kernels.py`` / ``scripts/gpu_check.sh`` are ready for the first run.
 """
+import hashlib
 import math
+import os
+import tempfile
 
 import numpy as np
-
-import os
 
 try:
     from . import cuda as _cuda            # installed: cuda/ ships as gradfuse.cuda
@@ -132,14 +134,94 @@ def _device():
     return cupy().cuda.runtime.getDevice()
 
 
+def arch_option(cc, supported):
+    """NVRTC's ``-arch`` for a device of compute capability ``cc`` (e.g. 90): its own
+    machine code (``sm_90``, a cubin) when this NVRTC knows the device, else PTX for the
+    newest virtual architecture not above it (the driver finishes it). Returns
+    (option, "cubin" | "ptx")."""
+    if cc in supported:
+        return f"-arch=sm_{cc}", "cubin"
+    lower = [a for a in supported if a <= cc]
+    if not lower:
+        raise RuntimeError(f"NVRTC supports architectures {sorted(supported)}, none of them at or "
+                           f"below this device's compute capability {cc}")
+    return f"-arch=compute_{max(lower)}", "ptx"
+
+
+def compile_family(family, cc):
+    """Compile ``cuda/<family>.cu`` with NVRTC for compute capability ``cc``, with exactly
+    ``OPTIONS``; returns (binary bytes, "cubin" | "ptx").
+
+    Not ``cupy.RawModule(code=...)``: cupy appends ``-ftz=true`` after the caller's
+    options (``cupy/cuda/compiler.py``, cupy issue #9576), the later flag wins, and every
+    ``_rn`` intrinsic would then flush subnormals to zero, which the CPU kernels do not.
+    So gradfuse calls the NVRTC that cupy loads (``cupy.cuda.nvrtc``) itself and gives
+    ``RawModule`` the binary (``module()``).
+    """
+    nv = cupy().cuda.nvrtc
+    option, kind = arch_option(int(cc), tuple(int(a) for a in nv.getSupportedArchs()))
+    name = family + ".cu"
+    prog = nv.createProgram(source(name), name, [], [])
+    try:
+        try:
+            nv.compileProgram(prog, list(OPTIONS) + [option])
+        except nv.NVRTCError as e:
+            raise RuntimeError(f"NVRTC {'.'.join(map(str, nv.getVersion()))} could not compile "
+                               f"cuda/{name} ({option}, {' '.join(OPTIONS)}): {e}\n"
+                               f"{nv.getProgramLog(prog)}") from None
+        return (nv.getCUBIN(prog) if kind == "cubin" else nv.getPTX(prog)), kind
+    finally:
+        nv.destroyProgram(prog)
+
+
+def _cache_dir():
+    """Where compiled modules are kept between processes: cupy's kernel cache directory
+    (``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``), else the temporary directory."""
+    for d in (os.environ.get("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache"),
+              os.path.join(tempfile.gettempdir(), "gradfuse-kernels")):
+        try:
+            os.makedirs(d, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return d
+        except OSError:
+            continue
+    raise RuntimeError("no writable directory for compiled GPU kernels (set CUPY_CACHE_DIR)")
+
+
+def module_path(family, cc):
+    """The compiled module of ``family`` for compute capability ``cc``, compiled on the
+    first call with this source, these options and this NVRTC, then reused (also by other
+    processes: ranks write the file atomically)."""
+    nv = cupy().cuda.nvrtc
+    key = hashlib.sha256("\0".join([source(family + ".cu"), " ".join(OPTIONS), str(cc),
+                                     repr(nv.getVersion()), repr(nv.getSupportedArchs())]).encode())
+    stem = os.path.join(_cache_dir(), f"gradfuse_{family}_sm{cc}_{key.hexdigest()[:24]}")
+    for kind in ("cubin", "ptx"):
+        if os.path.exists(f"{stem}.{kind}"):
+            return f"{stem}.{kind}"
+    binary, kind = compile_family(family, cc)
+    path = f"{stem}.{kind}"
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".gradfuse_", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(binary)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
 def module(family):
-    """The compiled ``cupy.RawModule`` of ``cuda/<family>.cu`` for the current device."""
+    """The ``cupy.RawModule`` of ``cuda/<family>.cu`` for the current device."""
+    cp = cupy()
     key = (_device(), family)
     mod = _MODULES.get(key)
     if mod is None:
         if family not in FAMILIES:
             raise ValueError(f"unknown kernel family {family!r}; known: {sorted(FAMILIES)}")
-        mod = cupy().RawModule(code=source(family + ".cu"), options=OPTIONS)
+        mod = cp.RawModule(path=module_path(family, int(cp.cuda.Device().compute_capability)))
         _MODULES[key] = mod
     return mod
 
@@ -158,13 +240,41 @@ def kernel(name):
 
 
 def compile_all():
-    """Compile every kernel of every family on the current device; returns their names."""
+    """Compile every kernel of every family on the current device and check there that
+    subnormals survive (``check_subnormals``); returns the kernels' names."""
     done = []
     for fam, names in FAMILIES.items():
         for name in names:
             kernel(name)
             done.append(f"{fam}.cu:{name}")
+    check_subnormals()
     return done
+
+
+def check_subnormals():
+    """Run a float32 division and a bf16 sum on the device: subnormal inputs and results
+    must keep their bits, as on the CPU. Raises RuntimeError if the loaded kernels flush
+    them to zero (compiled with flush-to-zero, which would break bit-exactness)."""
+    cp = cupy()
+    x = np.array([1e-40, -3e-39, 2.0 ** -126, 1.5], np.float32)
+    got_div = cp.asarray(x)
+    div_f32(got_div, 2.0)
+    with np.errstate(all="ignore"):
+        want_div = x / np.float32(2.0)
+    a = np.array([0x0001, 0x8001, 0x0070], np.uint16)
+    got_sum = cp.asarray(np.array([0x0001, 0x8001, 0x0010], np.uint16))
+    sum16(2, cp.asarray(a), got_sum)
+    want_sum = np.array([0x0002, 0x8002, 0x0080], np.uint16)
+    got_div, got_sum = got_div.get(), got_sum.get()
+    if not (np.array_equal(got_div.view(np.uint32), want_div.view(np.uint32))
+            and np.array_equal(got_sum, want_sum)):
+        paths = sorted({getattr(m, "cubin_path", None) or "?" for m in _MODULES.values()})
+        raise RuntimeError(
+            "the GPU kernels flush subnormals to zero on this device (float32 "
+            f"{x.tolist()} / 2 gave {got_div.tolist()}, want {want_div.tolist()}; bf16 sum gave "
+            f"{[hex(v) for v in got_sum]}, want {[hex(v) for v in want_sum]}), so their results "
+            f"would differ from the CPU kernels'. They must be compiled with {OPTIONS} and nothing "
+            f"after them; compiled modules: {paths}")
 
 
 def _sms():

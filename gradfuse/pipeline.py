@@ -154,31 +154,52 @@ def _dtype_of(obj):
         return getattr(obj, "dtype", type(obj).__name__)
 
 
+def _dlpack_device(obj):
+    """``obj.__dlpack_device__()`` as (type, id) ints; None without one or if it fails."""
+    dev = getattr(obj, "__dlpack_device__", None)
+    if dev is None:
+        return None
+    try:
+        d = dev()
+        return int(d[0]), int(d[1])
+    except Exception:
+        return None
+
+
+def _producer_device(obj):
+    """The DLPack device of a producer (``__dlpack__`` and ``__dlpack_device__``), else None."""
+    return _dlpack_device(obj) if hasattr(obj, "__dlpack__") else None
+
+
+def _dlpack_on_device(obj):
+    """True for a DLPack producer on a GPU: such tensors are read through
+    ``__dlpack__(stream=...)``, which orders the producer's work before the caller's
+    stream, even when they also have ``__cuda_array_interface__`` (PyTorch's has no
+    stream to wait for)."""
+    dev = _producer_device(obj)
+    return dev is not None and dev[0] in (intake.kDLCUDA, intake.kDLCUDAManaged)
+
+
 def _on_device(obj):
     """True for GPU arrays (cupy, ``__cuda_array_interface__``, CUDA DLPack, DeviceArray)."""
     if type(obj) is np.ndarray:
         return False
-    if isinstance(obj, intake.DeviceArray) or hasattr(obj, "__cuda_array_interface__"):
+    if isinstance(obj, intake.DeviceArray):
+        return True
+    dev = _producer_device(obj)
+    if dev is not None:              # a DLPack producer says where it is
+        return dev[0] in (intake.kDLCUDA, intake.kDLCUDAManaged)
+    cai, cai_error = intake.cuda_interface(obj)
+    if cai is not None:
         return True
     if getattr(getattr(obj, "context", None), "device_type", None) == "gpu":
         return True         # an MXNet NDArray on a GPU (read through its DLPack capsule)
     if intake.is_capsule(obj):
         dev = intake.capsule_device(obj)
         return dev is not None and dev[0] in (intake.kDLCUDA, intake.kDLCUDAManaged)
-    dev = getattr(obj, "__dlpack_device__", None)
-    if dev is not None:
-        try:
-            return int(dev()[0]) in (intake.kDLCUDA, intake.kDLCUDAManaged)
-        except Exception:
-            return False
-    return False
-
-
-def _dlpack_device_id(obj):
-    try:
-        return int(obj.__dlpack_device__()[1])
-    except Exception:
-        return None
+    # a CUDA array interface whose property raises (PyTorch: a tensor that requires grad)
+    # still says the tensor is on a GPU; the GPU intake falls back on DLPack or names it
+    return cai_error is not None
 
 
 def _device_arrays(objs, names, writable, cp):
@@ -191,26 +212,35 @@ def _device_arrays(objs, names, writable, cp):
     arrays, device, first_device = [], None, None
     for obj, name in zip(objs, names):
         if isinstance(obj, cp.ndarray):
-            arr = obj
+            arr = obj          # cupy's own arrays: no protocol, ordered by the caller's stream
         else:
             readonly = False
-            if hasattr(obj, "__cuda_array_interface__"):
-                readonly = bool(obj.__cuda_array_interface__["data"][1])
+            cai = cai_error = None
+            use_dlpack = False
+            if not isinstance(obj, intake.DeviceArray):
+                # DLPack first: __dlpack__(stream=...) makes the producer order its own work
+                # (a side stream's too) before ours; __cuda_array_interface__ may carry no
+                # stream (PyTorch's is version 2) or raise (PyTorch: requires_grad)
+                use_dlpack = _dlpack_on_device(obj)
+                if not use_dlpack:
+                    cai, cai_error = intake.cuda_interface(obj)
+                    if cai_error is not None:
+                        if not hasattr(obj, "__dlpack__"):
+                            raise intake.cuda_interface_error(obj, name, cai_error)
+                        use_dlpack = True
+            if cai is not None:
+                readonly = bool(cai["data"][1])
                 arr = cp.asarray(obj)
             else:
                 got = obj
-                if not isinstance(obj, intake.DeviceArray) and hasattr(obj, "__dlpack__") \
-                        and _on_device(obj):
+                if use_dlpack:
                     # the producer makes the current stream of the tensor's device wait for
                     # its work (DLPack: 1 is the legacy default stream); the ready event is
                     # recorded on that same stream
-                    dl_dev = _dlpack_device_id(obj)
-                    with cp.cuda.Device(dl_dev if dl_dev is not None else cp.cuda.runtime.getDevice()):
+                    dl_dev = _dlpack_device(obj)
+                    with cp.cuda.Device(dl_dev[1] if dl_dev is not None else cp.cuda.runtime.getDevice()):
                         stream = cp.cuda.get_current_stream().ptr or 1
-                    try:
-                        capsule = obj.__dlpack__(stream=stream)
-                    except TypeError:
-                        capsule = obj.__dlpack__()
+                    capsule = intake.dlpack_capsule(obj, stream=stream)
                     got = intake.from_dlpack_capsule(capsule, name, source=obj)
                 elif not isinstance(obj, intake.DeviceArray):
                     got = intake.as_array(obj, name)

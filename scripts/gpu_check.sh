@@ -7,7 +7,7 @@
 # Uses the packages already on the image (Python 3.12, numpy 2, cupy-cuda13x, Cython,
 # pytest, mpi4py), plus any wheels carried in .wheels/ (scripts/fetch_device_wheels.sh:
 # an MPI, where the image has none). Steps: build gradfuse in place; 1) compile every kernel with
-# cupy.RawModule (NVRTC); 2) the GPU tests with GRADFUSE_TEST_GPU=1 (a missing GPU is a
+# NVRTC (loaded with cupy.RawModule) and check subnormals survive; 2) the GPU tests with GRADFUSE_TEST_GPU=1 (a missing GPU is a
 # failure there): kernels, communicators, the Pipeline on cupy arrays (1 rank, and 2 ranks
 # under mpiexec: host-staged, since NCCL refuses two ranks on one GPU); 3) the kernel
 # benchmark on a 256 MB bucket and Pipeline steps on ResNet-50, GPU vs host
@@ -15,6 +15,8 @@
 # (or /tmp). Exit status: non-zero if any step failed; every step runs regardless.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# one machine, loopback only: NCCL's bootstrap need not guess an interface (override to debug)
+export NCCL_SOCKET_IFNAME=${NCCL_SOCKET_IFNAME:-lo} NCCL_DEBUG=${NCCL_DEBUG:-WARN}
 PY=${PYTHON:-python3}
 LOGS=${OUT:-/tmp}
 mkdir -p "$LOGS"
@@ -47,7 +49,7 @@ if ! timeout 120 $PY setup.py build_ext --inplace > "$LOGS/gpu_build.log" 2>&1; 
     tail -40 "$LOGS/gpu_build.log"; say "BUILD FAILED"; exit 1
 fi
 
-say "1) compile every kernel with cupy.RawModule"
+say "1) compile every kernel (NVRTC, cupy.RawModule(path=)) and check subnormals on the device"
 timeout 60 $PY - <<'PYEOF' || fail=1
 import time
 from gradfuse import gpu

@@ -193,3 +193,15 @@ def test_nvrtc_compiles_with_runtime_options(name):
         assert not fused, f"{name} ({arch}): fused float ops in the PTX: {fused}"
         approx = sorted(set(re.findall(r"\b[a-z0-9]+(?:\.[a-z0-9]+)*\.(?:approx|full)\.[a-z0-9.]+", text)))
         assert not approx, f"{name} ({arch}): approximate float ops in the PTX: {approx}"
+
+
+def test_arch_option():
+    """The device's own machine code when NVRTC knows it, else PTX for the newest lower
+    virtual architecture; a device older than all of them is a clear error."""
+    from gradfuse import gpu
+    supported = (75, 80, 86, 89, 90)
+    assert gpu.arch_option(90, supported) == ("-arch=sm_90", "cubin")
+    assert gpu.arch_option(100, supported) == ("-arch=compute_90", "ptx")
+    assert gpu.arch_option(87, supported) == ("-arch=compute_86", "ptx")
+    with pytest.raises(RuntimeError, match="none of them at or below.*70"):
+        gpu.arch_option(70, supported)

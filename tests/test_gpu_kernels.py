@@ -102,6 +102,35 @@ def test_module_cached_per_device(g):
     assert gpu.kernel("gf_pack") is gpu.kernel("gf_pack")
 
 
+def test_modules_compiled_by_gradfuse_with_its_options_and_kept_on_disk(g, monkeypatch):
+    """gradfuse compiles with NVRTC itself (cupy would append -ftz=true); the module file is
+    reused by the next process (same source, options, NVRTC) instead of compiled again."""
+    cp, gpu = g
+    cc = int(cp.cuda.Device().compute_capability)
+    path = gpu.module_path("pack", cc)
+    assert os.path.exists(path) and path.endswith((".cubin", ".ptx"))
+    calls = []
+    monkeypatch.setattr(gpu, "compile_family", lambda *a: calls.append(a) or (b"", "cubin"))
+    assert gpu.module_path("pack", cc) == path and not calls
+
+
+def test_subnormals_survive_on_the_device(g):
+    """The kernels as loaded keep subnormal inputs and results (no flush to zero)."""
+    cp, gpu = g
+    gpu.check_subnormals()
+
+
+def test_flushed_subnormals_are_reported(g, monkeypatch):
+    cp, gpu = g
+
+    def flushing_div(x, d):
+        x[...] = cp.asarray(np.where(np.abs(x.get()) < np.float32(2.0 ** -126), 0, x.get() / 2).astype(F32))
+
+    monkeypatch.setattr(gpu, "div_f32", flushing_div)
+    with pytest.raises(RuntimeError, match="flush subnormals to zero.*compiled with"):
+        gpu.check_subnormals()
+
+
 # ------------------------------------------------------------------ pack / unpack
 
 @pytest.mark.parametrize("seed", range(4))

@@ -5,6 +5,7 @@ between host and GPU, and the errors of mixed or bad input.
 Marked ``gpu``: skipped without a GPU, failed with GRADFUSE_TEST_GPU=1, and run on the
 CPU SIMT emulator by tests/test_gpu_emulated.py (GRADFUSE_GPU_EMULATOR=1).
 """
+import gc
 import os
 import sys
 
@@ -14,6 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest_gpu import emulated, require_gpu  # noqa: E402
 from gpu_pipeline_cases import COMPRESSORS, case_id, make_grads, run_steps, same_bits  # noqa: E402
+from dlpack_capsules import READ_ONLY, capsule_name, make_capsule  # noqa: E402
 
 import gradfuse  # noqa: E402
 from gradfuse.comm.single import SingleProcessCommunicator  # noqa: E402
@@ -124,38 +126,154 @@ def test_gpu_cuda_array_interface_object(cp, comm):
     assert isinstance(out[0], cp.ndarray) and out[0].get().tolist() == list(range(6))
 
 
-def _capsule(cp, arr):
-    return arr.toDlpack()
+def _capsule(cp, arr, versioned=True, **kw):
+    """A kDLCUDA capsule over a cupy array's memory, legacy or versioned (tests/dlpack_capsules.py)."""
+    return make_capsule(arr.data.ptr, arr.shape, arr.dtype, device=(2, arr.device.id), versioned=versioned,
+                        owner=arr, **kw)
 
 
-def test_gpu_dlpack_capsule_and_producer(cp, comm):
-    """CUDA DLPack: a raw capsule (MXNet's to_dlpack_for_write gives one) and an object
-    with __dlpack__/__dlpack_device__, read and written in place without a copy."""
+@pytest.mark.parametrize("versioned", [False, True], ids=["legacy", "versioned"])
+def test_gpu_dlpack_capsule_and_producer(cp, comm, versioned):
+    """CUDA DLPack: raw capsules of both kinds (MXNet's to_dlpack_for_write gives a legacy
+    one, cupy 14's toDlpack() a versioned one) and objects with __dlpack__/__dlpack_device__,
+    read and written without a copy; the capsule is renamed and its deleter called once."""
     pipe = gradfuse.Pipeline(comm=comm, average=False)
     a = cp.asarray(np.arange(6, dtype=np.float32))
-    out = pipe.allreduce_([_capsule(cp, a)], names=["cap"])
+    cap, rec = _capsule(cp, a, versioned)
+    assert gradfuse.intake.capsule_device(cap) == (2, a.device.id)
+    out = pipe.allreduce_([cap], names=["cap"])
     assert a.get().tolist() == list(range(6)) and len(out) == 1
+    assert capsule_name(cap) == ("used_dltensor_versioned" if versioned else "used_dltensor")
+    # written through the capsule: out=
+    dst = cp.zeros(6, cp.float32)
+    cap, rec = _capsule(cp, dst, versioned)
+    res = pipe.allreduce([a], out=[cap], names=["cap"])
+    assert res[0] is cap and dst.get().tolist() == list(range(6))
+    del out, res, cap
+    pipe.allreduce([a], names=["cap"])        # the communication thread lets go of the last step
+    gc.collect()
+    assert rec.deleted == 1
+    # the producer's own capsules (toDlpack(): versioned on cupy >= 14, legacy before)
+    assert pipe.allreduce([a.toDlpack()], names=["cap"])[0].get().tolist() == list(range(6))
 
     class Producer:
         def __init__(self, arr):
             self.arr = arr
-            self.streams = []
+            self.calls = []
 
         def __dlpack_device__(self):
             return (2, self.arr.device.id)
 
+        def __dlpack__(self, stream=None, max_version=None):
+            self.calls.append((stream, max_version))
+            return _capsule(cp, self.arr, max_version is not None and max_version >= (1, 0))[0]
+
+    class OldProducer(Producer):          # before DLPack 1.0: no max_version
         def __dlpack__(self, stream=None):
-            self.streams.append(stream)
-            return self.arr.toDlpack()
+            self.calls.append((stream, None))
+            return _capsule(cp, self.arr, versioned=False)[0]
 
     b = cp.asarray(np.full(4, 2.0, np.float32))
-    prod = Producer(b)
-    res = pipe.allreduce([prod], names=["p"])
-    assert isinstance(res[0], cp.ndarray) and res[0].get().tolist() == [2.0] * 4
-    assert prod.streams and prod.streams[0] not in (None, 0)     # a stream was passed
-    pipe2 = gradfuse.Pipeline(comm=comm)
-    res = pipe2.allreduce_([Producer(b)], names=["p"])
-    assert b.get().tolist() == [2.0] * 4
+    for cls in (Producer, OldProducer):
+        prod = cls(b)
+        res = pipe.allreduce([prod], names=["p"])
+        assert isinstance(res[0], cp.ndarray) and res[0].get().tolist() == [2.0] * 4
+        assert prod.calls and prod.calls[-1][0] not in (None, 0)     # a stream was passed
+        assert prod.calls[0][1] == ((1, 0) if cls is Producer else None) and len(prod.calls) == 1
+        dst = cp.zeros(4, cp.float32)
+        pipe.allreduce([b], out=[cls(dst)], names=["p"])
+        assert dst.get().tolist() == [2.0] * 4
+        pipe2 = gradfuse.Pipeline(comm=comm)
+        pipe2.allreduce_([cls(b)], names=["p"])
+        assert b.get().tolist() == [2.0] * 4
+
+
+def test_gpu_dlpack_read_only_and_unsupported_version(cp, comm):
+    """A versioned capsule's read-only flag: read as an input, refused as an output; a
+    capsule of another DLPack major version is refused, naming the tensor, unconsumed."""
+    pipe = gradfuse.Pipeline(comm=comm, average=False)
+    a = cp.asarray(np.arange(3, dtype=np.float32))
+    ro = _capsule(cp, a, flags=READ_ONLY)[0]
+    assert pipe.allreduce([ro], names=["r"])[0].get().tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(ValueError, match="tensor 'r' is read-only; the results cannot be written into it"):
+        pipe.allreduce_([_capsule(cp, a, flags=READ_ONLY)[0]], names=["r"])
+    with pytest.raises(ValueError, match="tensor 'r' is read-only; the results cannot be written into it"):
+        pipe.allreduce([a], out=[_capsule(cp, cp.zeros(3, cp.float32), flags=READ_ONLY)[0]], names=["r"])
+    for first in (True, False):
+        cap, rec = _capsule(cp, a, version=(2, 0))
+        grads = {"v": cap} if first else {"a": a, "v": cap}
+        with pytest.raises(TypeError, match=r"tensor 'v': DLPack 2\.0 capsule; gradfuse reads DLPack 1\.x"):
+            pipe.allreduce(grads)
+        assert capsule_name(cap) == "dltensor_versioned"
+    assert pipe.allreduce({"a": a})["a"].get().tolist() == [0.0, 1.0, 2.0]
+
+
+class _CAIAndDLPack:
+    """A PyTorch-like CUDA tensor: __cuda_array_interface__ without a stream (version 2)
+    and a stream-ordering __dlpack__; ``raise_cai`` makes the interface raise RuntimeError
+    (PyTorch, requires_grad=True), ``dlpack=False`` leaves DLPack out."""
+
+    def __init__(self, cp, arr, raise_cai=False, dlpack=True, device=True):
+        self.cp, self.arr, self.raise_cai = cp, arr, raise_cai
+        self.cai_reads, self.calls = 0, []
+        if dlpack:
+            self.__dlpack__ = self._dlpack
+            if device:
+                self.__dlpack_device__ = lambda: (2, arr.device.id)
+
+    @property
+    def __cuda_array_interface__(self):
+        self.cai_reads += 1
+        if self.raise_cai:
+            raise RuntimeError("Can't get __cuda_array_interface__ on Variable that requires grad.")
+        cai = dict(self.arr.__cuda_array_interface__)
+        cai["version"] = 2
+        cai.pop("stream", None)
+        return cai
+
+    def _dlpack(self, stream=None, max_version=None):
+        self.calls.append(stream)
+        return _capsule(self.cp, self.arr, max_version is not None)[0]
+
+
+def test_gpu_dlpack_preferred_over_cuda_array_interface(cp, comm):
+    """An object with both protocols is read through __dlpack__(stream=...), which orders a
+    side stream's work, never through its stream-less __cuda_array_interface__."""
+    pipe = gradfuse.Pipeline(comm=comm, average=False)
+    b = cp.asarray(np.arange(4, dtype=np.float32))
+    for grads in ([_CAIAndDLPack(cp, b)], [cp.ones(2, cp.float32), _CAIAndDLPack(cp, b)]):
+        res = pipe.allreduce(grads)
+        t = grads[-1]
+        assert res[-1].get().tolist() == [0.0, 1.0, 2.0, 3.0]
+        assert t.cai_reads == 0 and len(t.calls) == 1 and t.calls[0] not in (None, 0)
+    dst = cp.zeros(4, cp.float32)
+    out = _CAIAndDLPack(cp, dst)
+    pipe.allreduce([b], out=[out])
+    assert dst.get().tolist() == [0.0, 1.0, 2.0, 3.0] and out.cai_reads == 0 and out.calls
+
+
+def test_gpu_cuda_array_interface_that_raises(cp, comm):
+    """PyTorch raises RuntimeError (not AttributeError) from __cuda_array_interface__ when
+    requires_grad=True: DLPack is used instead, or a TypeError names the tensor."""
+    pipe = gradfuse.Pipeline(comm=comm, average=False)
+    b = cp.asarray(np.arange(3, dtype=np.float32))
+    for device in (True, False):       # with and without __dlpack_device__
+        for first in (True, False):
+            t = _CAIAndDLPack(cp, b, raise_cai=True, device=device)
+            grads = {"g": t} if first else {"a": cp.ones(2, cp.float32), "g": t}
+            assert pipe.allreduce(grads)["g"].get().tolist() == [0.0, 1.0, 2.0]
+            assert len(t.calls) == 1 and t.calls[0] not in (None, 0)
+    for first in (True, False):
+        t = _CAIAndDLPack(cp, b, raise_cai=True, dlpack=False)
+        grads = {"g": t} if first else {"a": cp.ones(2, cp.float32), "g": t}
+        with pytest.raises(TypeError, match=r"tensor 'g': reading the __cuda_array_interface__ of .*_CAIAndDLPack "
+                                            r"raised RuntimeError: Can't get"):
+            pipe.allreduce(grads)
+    dst = cp.zeros(3, cp.float32)
+    with pytest.raises(TypeError, match=r"tensor 'g': reading the __cuda_array_interface__"):
+        pipe.allreduce({"g": b}, out={"g": _CAIAndDLPack(cp, dst, raise_cai=True, dlpack=False)})
+    pipe.allreduce({"g": b}, out={"g": _CAIAndDLPack(cp, dst, raise_cai=True)})
+    assert dst.get().tolist() == [0.0, 1.0, 2.0]
 
 
 def test_gpu_one_device_per_rank(cp, comm):

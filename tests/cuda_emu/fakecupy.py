@@ -21,6 +21,9 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _BUILD = os.path.join(tempfile.gettempdir(), f"gradfuse_simt_{os.getuid()}")
+# gradfuse.gpu keeps compiled modules in cupy's cache directory; the emulator's go beside
+# its own builds, not into the user's ~/.cupy
+os.environ.setdefault("CUPY_CACHE_DIR", os.path.join(_BUILD, "kernel_cache"))
 
 __version__ = "0.0-simt-emulator"
 float32, float64, float16 = np.float32, np.float64, np.float16
@@ -82,8 +85,17 @@ class ndarray(np.ndarray):
         return _Ptr(self)
 
     def toDlpack(self):  # noqa: N802 (cupy's name)
-        """A "dltensor" capsule of device type kDLCUDA (2) over this array's memory."""
-        return _cuda_capsule(self)
+        """A "dltensor_versioned" (DLPack 1.0) capsule of device type kDLCUDA (2) over this
+        array's memory, as cupy 14's toDlpack() gives."""
+        return _cuda_capsule(self, versioned=True)
+
+    def __dlpack__(self, *, stream=None, max_version=None, dl_device=None, copy=None):
+        """As cupy's: versioned with max_version >= (1, 0), else a legacy "dltensor" (not
+        numpy's, which would say kDLCPU). Streams: the emulator has nothing to order."""
+        return _cuda_capsule(self, versioned=max_version is not None and tuple(max_version) >= (1, 0))
+
+    def __dlpack_device__(self):
+        return (2, 0)       # kDLCUDA, device 0
 
     @property
     def __cuda_array_interface__(self):
@@ -231,6 +243,7 @@ class _Device:
             raise RuntimeError(f"simt emulator: no device {i}")
         self.id = int(i)
         self.attributes = {"MultiProcessorCount": 2}   # small grids: the emulator is slow
+        self.compute_capability = "90"
 
     def use(self):
         pass
@@ -295,8 +308,66 @@ def _memory_pointer(mem, offset):
     return _Ptr(ptr=mem.ptr + int(offset), owner=mem)
 
 
+class _NVRTC:
+    """cupy.cuda.nvrtc (cupy_backends.cuda.libs.nvrtc): the program API gradfuse.gpu calls.
+    The "binary" is a marker plus the source, which RawModule(path=...) builds with g++;
+    compileProgram builds it already, so a compile error surfaces where NVRTC's would.
+    Flush-to-zero cannot be emulated, so options that ask for it are refused."""
+
+    class NVRTCError(RuntimeError):
+        pass
+
+    MAGIC = b"//simt-emulator module\n"
+    _progs = {}
+
+    @staticmethod
+    def getVersion():
+        return (13, 0)
+
+    @staticmethod
+    def getSupportedArchs():
+        return (75, 80, 86, 87, 89, 90, 100, 103, 110, 120, 121)
+
+    def createProgram(self, src, name, headers, include_names):
+        prog = max(self._progs, default=0) + 1
+        self._progs[prog] = {"src": src, "name": name, "log": "", "ok": False}
+        return prog
+
+    def compileProgram(self, prog, options):
+        p = self._progs[prog]
+        opts = list(options)
+        ftz = [o for o in opts if o.replace("--", "-").startswith("-ftz=")]
+        if not ftz or ftz[-1].endswith("true"):
+            p["log"] = f"simt emulator: flush-to-zero is not emulated; options {opts} must end with ftz=false"
+            raise self.NVRTCError("NVRTC_ERROR_INVALID_OPTION (5)")
+        if not any(o.startswith("-arch=") for o in opts):
+            p["log"] = "simt emulator: no -arch option"
+            raise self.NVRTCError("NVRTC_ERROR_INVALID_OPTION (5)")
+        try:
+            _build(p["src"])
+        except RuntimeError as e:
+            p["log"] = str(e)
+            raise self.NVRTCError("NVRTC_ERROR_COMPILATION (6)") from None
+        p["ok"] = True
+
+    def _binary(self, prog):
+        p = self._progs[prog]
+        if not p["ok"]:
+            raise self.NVRTCError("NVRTC_ERROR_INVALID_PROGRAM (3)")
+        return self.MAGIC + p["src"].encode()
+
+    getCUBIN = getPTX = _binary
+
+    def getProgramLog(self, prog):
+        return self._progs[prog]["log"]
+
+    def destroyProgram(self, prog):
+        self._progs.pop(prog, None)
+
+
 class _Cuda:
     runtime = _Runtime()
+    nvrtc = _NVRTC()
     Device = _Device
     Event = _Event
     Stream = _Stream
@@ -379,9 +450,18 @@ class RawKernel:
 
 
 class RawModule:
-    def __init__(self, code, options=()):
+    """Only ``RawModule(path=...)`` with a module from cuda.nvrtc: gradfuse never lets cupy
+    compile (cupy would add -ftz=true), so ``code=`` is refused here."""
+
+    def __init__(self, code=None, *, path=None, options=()):
+        if code is not None or path is None:
+            raise TypeError("simt emulator: RawModule takes path= (gradfuse.gpu compiles with NVRTC itself)")
+        with open(path, "rb") as f:
+            data = f.read()
+        if not data.startswith(_NVRTC.MAGIC):
+            raise RuntimeError(f"simt emulator: {path} is not a module from the emulator's nvrtc")
         self.options = tuple(options)
-        self.lib, self.names = _build(code)
+        self.lib, self.names = _build(data[len(_NVRTC.MAGIC):].decode())
 
     def get_function(self, name):
         if name not in self.names:
@@ -397,27 +477,21 @@ class cupyx:  # noqa: N801
         return np.empty(shape, dtype)
 
 
-_CAPSULE_KEEP = []      # the emulator's capsules own nothing; keep their structs alive
+_CAPSULES = None
 
 
-def _cuda_capsule(arr):
-    from gradfuse import intake
-    mt = intake._DLManagedTensor()
-    shape = (ctypes.c_int64 * max(1, arr.ndim))(*arr.shape)
-    strides = (ctypes.c_int64 * max(1, arr.ndim))(*[st // arr.itemsize for st in arr.strides])
-    kind = {"f": 2, "i": 0, "u": 1}[arr.dtype.kind]
-    mt.dl_tensor.data = arr.ctypes.data
-    mt.dl_tensor.device.device_type = 2
-    mt.dl_tensor.device.device_id = 0
-    mt.dl_tensor.ndim = arr.ndim
-    mt.dl_tensor.dtype.code, mt.dl_tensor.dtype.bits, mt.dl_tensor.dtype.lanes = kind, 8 * arr.itemsize, 1
-    mt.dl_tensor.shape = ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64))
-    mt.dl_tensor.strides = ctypes.cast(strides, ctypes.POINTER(ctypes.c_int64))
-    mt.dl_tensor.byte_offset = 0
-    _CAPSULE_KEEP.append((mt, shape, strides, arr))
-    new = ctypes.pythonapi.PyCapsule_New
-    new.restype, new.argtypes = ctypes.py_object, [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    return new(ctypes.addressof(mt), b"dltensor", None)
+def _cuda_capsule(arr, versioned=True):
+    """A kDLCUDA capsule over ``arr`` ("dltensor_versioned" or legacy "dltensor"), built by
+    tests/dlpack_capsules.py on gradfuse.intake's structs (which keeps ``arr`` alive)."""
+    global _CAPSULES
+    if _CAPSULES is None:
+        import importlib.util
+        path = os.path.join(os.path.dirname(HERE), "dlpack_capsules.py")
+        spec = importlib.util.spec_from_file_location("_fakecupy_dlpack_capsules", path)
+        _CAPSULES = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(_CAPSULES)
+    return _CAPSULES.make_capsule(arr.ctypes.data, arr.shape, arr.dtype, arr.strides, device=(2, 0),
+                                  versioned=versioned, owner=arr)[0]
 
 
 def __getattr__(name):
