@@ -33,10 +33,15 @@ import tempfile
 
 import numpy as np
 
+# Installed, cuda/ ships as gradfuse.cuda: a namespace package (no __init__.py) holding the
+# .cu files. The repository's cuda/ must not be a regular package: run from a checkout
+# (the repository root on sys.path), it would shadow NVIDIA's `cuda` namespace
+# (cuda.pathfinder, cuda.bindings), and cupy 14 could not be imported.
 try:
-    from . import cuda as _cuda            # installed: cuda/ ships as gradfuse.cuda
+    from . import cuda as _cuda
+    _PKG_DIRS = [str(d) for d in _cuda.__path__]
 except ImportError:                        # a source checkout built in place
-    _cuda = None
+    _PKG_DIRS = []
 
 _CUDA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cuda")
 
@@ -71,11 +76,10 @@ def _read(name):
 
     In a source checkout (``setup.py build_ext --inplace``, as scripts/gpu_check.sh
     builds) the checkout's own ``cuda/``: an editable install of another checkout must
-    not supply the kernels. Otherwise ``gradfuse.cuda.source`` (the package data).
+    not supply the kernels. Otherwise the package data in ``gradfuse.cuda``.
     """
-    path = _checkout_file(name)
-    if path is None and _cuda is not None:
-        return _cuda.source(name)
+    path = _checkout_file(name) or next(
+        (os.path.join(d, name) for d in _PKG_DIRS if os.path.exists(os.path.join(d, name))), None)
     if path is None:
         raise FileNotFoundError(f"kernel source {name!r} not found (no gradfuse.cuda package data, "
                                 f"no checkout at {_CUDA_DIR})")

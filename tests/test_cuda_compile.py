@@ -205,3 +205,46 @@ def test_arch_option():
     assert gpu.arch_option(87, supported) == ("-arch=compute_86", "ptx")
     with pytest.raises(RuntimeError, match="none of them at or below.*70"):
         gpu.arch_option(70, supported)
+
+
+def _cupy_with_nvrtc():
+    """Real cupy (no GPU needed) whose NVRTC binding loads, else None."""
+    try:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")          # cupy warns when NCCL is missing
+            import cupy
+        if getattr(cupy, "__version__", "").startswith("0.0-simt"):
+            return None                              # the emulator's stand-in
+        cupy.cuda.nvrtc.getVersion()
+        return cupy
+    except Exception:
+        return None
+
+
+CUPY = _cupy_with_nvrtc()
+
+
+@pytest.mark.skipif(CUPY is None, reason="cupy with a loadable NVRTC is not installed "
+                                          "(CI's numpy-2 leg installs cupy-cuda13x)")
+@pytest.mark.parametrize("name", CU_FILES)
+def test_compile_family_through_cupys_nvrtc(name, tmp_path, monkeypatch):
+    """gradfuse's own compile path (gpu.compile_family / module_path) through the NVRTC
+    binding real cupy uses, no GPU needed: a cubin for sm_80 and sm_90, PTX without any
+    flush-to-zero instruction for an architecture NVRTC does not know, written once to
+    the cache directory and reused."""
+    from gradfuse import gpu
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
+    fam = name[:-3]
+    for cc in (80, 90):
+        binary, kind = gpu.compile_family(fam, cc)
+        assert kind == "cubin" and binary[:4] == b"\x7fELF", (fam, cc, kind, binary[:8])
+    ptx, kind = gpu.compile_family(fam, 10_000)
+    assert kind == "ptx"
+    assert b".ftz" not in ptx, f"{name}: flush-to-zero instructions in the PTX"
+    for kernel in gpu.FAMILIES[fam]:
+        assert f".entry {kernel}(".encode() in ptx
+    path = gpu.module_path(fam, 90)
+    assert path.startswith(str(tmp_path)) and path.endswith(".cubin")
+    monkeypatch.setattr(gpu, "compile_family", lambda *a: pytest.fail("compiled again"))
+    assert gpu.module_path(fam, 90) == path

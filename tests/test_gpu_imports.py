@@ -33,3 +33,25 @@ def test_kernel_sources_found():
         src = gpu.source(fam + ".cu")
         for name in gpu.FAMILIES[fam]:
             assert f"void {name}(" in src
+
+
+def test_repository_cuda_folder_does_not_shadow_nvidia_cuda_namespace(tmp_path):
+    """cupy 14 imports ``cuda.pathfinder`` (NVIDIA's ``cuda`` namespace package). Run from
+    a checkout, the repository root is on sys.path, so its ``cuda/`` folder must stay a
+    namespace portion (no __init__.py), not a package that hides NVIDIA's. Simulated with
+    a site directory holding a ``cuda/pathfinder`` namespace portion, as the
+    cuda-pathfinder wheel installs it; the kernels must still be found."""
+    assert not os.path.exists(os.path.join(ROOT, "cuda", "__init__.py"))
+    site = tmp_path / "site"
+    (site / "cuda" / "pathfinder").mkdir(parents=True)
+    (site / "cuda" / "pathfinder" / "__init__.py").write_text("FOUND = 'nvidia'\n")
+    code = ("import cuda.pathfinder, gradfuse.gpu as g\n"
+            "assert cuda.pathfinder.FOUND == 'nvidia'\n"
+            "assert 'extern \"C\"' in g.source('onebit.cu')\n"
+            "print('ok')\n")
+    # "-c" puts the working directory (the repository root) first on sys.path, as
+    # `python -m pytest` and `python -` in scripts/gpu_check.sh do
+    env = dict(os.environ, PYTHONPATH=str(site))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT,
+                       timeout=120)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stdout + p.stderr
