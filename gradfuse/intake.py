@@ -8,7 +8,8 @@
   ``__dlpack__(max_version=(1, 0))``). The capsule is parsed here rather than by
   ``np.from_dlpack``, because numpy makes read-only views of capsules, and gradfuse
   must write results back (MXNet 1.9.1's ``to_dlpack_for_write()`` is such a capsule).
-  A versioned capsule's read-only flag is kept (such a tensor cannot be an output);
+  A versioned capsule's read-only flag is kept, and a copy the producer made (the
+  is-copied flag) is treated as read-only too (neither can be an output);
   producers are asked for a versioned capsule first (``max_version=(1, 0)``) and, when
   they do not take that argument, for a legacy one;
 * objects with ``to_dlpack_for_write`` (MXNet 1.9.1 NDArrays, which expose no other
@@ -211,7 +212,9 @@ def from_dlpack_capsule(capsule, name="tensor", source=None):
             v = ctypes.cast(ptr, ctypes.POINTER(_DLPackVersion)).contents
             raise TypeError(f"tensor {name!r}: DLPack {v.major}.{v.minor} capsule; gradfuse reads DLPack "
                             f"{DLPACK_MAJOR_VERSION}.x (versioned) and legacy capsules")
-        readonly = bool(mt.flags & DLPACK_FLAG_BITMASK_READ_ONLY)
+        # a copy the producer made (IS_COPIED) counts as read-only: results written into it
+        # would never reach the producer's tensor
+        readonly = bool(mt.flags & (DLPACK_FLAG_BITMASK_READ_ONLY | DLPACK_FLAG_BITMASK_IS_COPIED))
     else:
         mt = ctypes.cast(ptr, ctypes.POINTER(_DLManagedTensor)).contents
     t = mt.dl_tensor

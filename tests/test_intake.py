@@ -11,7 +11,7 @@ from gradfuse import intake, pipeline
 from gradfuse.comm import SingleProcessCommunicator
 
 sys.path.insert(0, os.path.dirname(__file__))
-from dlpack_capsules import READ_ONLY, capsule_name, host_capsule  # noqa: E402
+from dlpack_capsules import IS_COPIED, READ_ONLY, capsule_name, host_capsule  # noqa: E402
 
 
 def test_numpy_passes_through():
@@ -129,10 +129,12 @@ def test_host_capsules_as_inputs_and_outputs(versioned):
     assert rec.deleted == 1
 
 
-def test_versioned_read_only_flag():
-    """A read-only versioned capsule is read, but refused as an output (also in place)."""
+@pytest.mark.parametrize("flag", [READ_ONLY, IS_COPIED], ids=["read-only", "is-copied"])
+def test_versioned_read_only_flag(flag):
+    """A read-only versioned capsule, or a copy the producer made (results written into it
+    would be lost), is read, but refused as an output (also in place)."""
     a = np.arange(4, dtype=np.float64)
-    cap, rec = host_capsule(a, flags=READ_ONLY)
+    cap, rec = host_capsule(a, flags=flag)
     v = intake.from_dlpack_capsule(cap, "r")
     assert not v.flags.writeable and v.ctypes.data == a.ctypes.data
     with pytest.raises(ValueError):
@@ -141,12 +143,12 @@ def test_versioned_read_only_flag():
     gc.collect()
     assert rec.deleted == 1
     pipe = gradfuse.Pipeline(comm=SingleProcessCommunicator(), average=False)
-    got = pipe.allreduce({"r": host_capsule(a, flags=READ_ONLY)[0]})
+    got = pipe.allreduce({"r": host_capsule(a, flags=flag)[0]})
     assert got["r"].tolist() == a.tolist()
     with pytest.raises(ValueError, match="tensor 'r' is read-only; the results cannot be written into it"):
-        pipe.allreduce({"r": a}, out={"r": host_capsule(np.zeros(4), flags=READ_ONLY)[0]})
+        pipe.allreduce({"r": a}, out={"r": host_capsule(np.zeros(4), flags=flag)[0]})
     with pytest.raises(ValueError, match="tensor 'r' is read-only; the results cannot be written into it"):
-        pipe.allreduce_({"r": host_capsule(a, flags=READ_ONLY)[0]})
+        pipe.allreduce_({"r": host_capsule(a, flags=flag)[0]})
     assert a.tolist() == [0, 1, 2, 3]
 
 
