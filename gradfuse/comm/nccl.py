@@ -158,6 +158,7 @@ class NCCLCommunicator(_GPUComm):
             raise RuntimeError(f"NCCL: rank 0 could not create the unique id: {uid}")
         self.nccl = nccl.NcclCommunicator(self.size, tuple(uid), self.rank)
         self.stream = cp.cuda.Stream(non_blocking=True)
+        self._ready = cp.cuda.Event(disable_timing=True)
         self._u8 = _const(nccl, "NCCL_UINT8", _NCCL_DTYPES, "uint8")
         self._scratch = {}
         # destroy the NCCL communicator at exit before MPI finalizes (atexit runs last-in
@@ -196,8 +197,10 @@ class NCCLCommunicator(_GPUComm):
         if self.nccl is None:
             raise RuntimeError(f"{self.describe()}: the NCCL communicator was closed")
         cp = _cupy()
-        ev = cp.cuda.get_current_stream().record()
-        self.stream.wait_event(ev)
+        # one event, re-recorded: a stream's wait takes the event's state at the call, and a
+        # timing-disabled event is the cheap kind (Stream.record() makes a timing one)
+        self._ready.record(cp.cuda.get_current_stream())
+        self.stream.wait_event(self._ready)
         return self.stream.ptr
 
     def _end(self):
