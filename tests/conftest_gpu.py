@@ -34,10 +34,7 @@ def require_gpu():
         import sys
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "cuda_emu"))
         import fakecupy
-        sys.modules["cupy"] = fakecupy
-        sys.modules["cupyx"] = fakecupy.cupyx
-        gpu._cp = fakecupy
-        return fakecupy, gpu
+        return fakecupy.install(), gpu
     try:
         import cupy
     except Exception as e:          # ImportError, or a broken CUDA install

@@ -365,9 +365,88 @@ class _NVRTC:
         self._progs.pop(prog, None)
 
 
+class _NcclModule:
+    """cupy.cuda.nccl for ONE rank (what a single GPU can run; NCCL refuses two ranks on one
+    device): the calls and argument orders of cupy_backends/cuda/libs/nccl.pyx, with the
+    data movement a one-rank collective does (a copy, or nothing). Pointers are host
+    addresses here."""
+
+    available = True
+    _SIZES = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2}
+    NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32, NCCL_INT64, NCCL_UINT64 = range(6)
+    NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 6, 7, 8, 9
+    NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN = range(4)
+
+    def __init__(self):
+        self._group = 0
+
+    @staticmethod
+    def get_unique_id():
+        return tuple(range(-64, 64))
+
+    def groupStart(self):  # noqa: N802 (cupy's names)
+        self._group += 1
+
+    def groupEnd(self):  # noqa: N802
+        if self._group <= 0:
+            raise RuntimeError("simt emulator nccl: groupEnd without groupStart")
+        self._group -= 1
+
+    class NcclCommunicator:
+        def __init__(self, ndev, commId, rank):  # noqa: N803
+            if int(ndev) != 1 or int(rank) != 0:
+                raise RuntimeError(f"simt emulator nccl: one rank only (ndev={ndev}, rank={rank})")
+            if len(tuple(commId)) != 128:
+                raise TypeError("commId must be the 128 values of get_unique_id()")
+            self._alive, self._sends = True, []
+
+        def _check(self, datatype, stream):
+            if not self._alive:
+                raise RuntimeError("simt emulator nccl: communicator used after destroy()")
+            if not isinstance(stream, int):
+                raise TypeError(f"stream must be an int pointer, got {type(stream).__name__}")
+            return _NcclModule._SIZES[int(datatype)]
+
+        def _copy(self, dst, src, nbytes):
+            if int(dst) != int(src) and nbytes:
+                ctypes.memmove(int(dst), int(src), int(nbytes))
+
+        def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):  # noqa: N802
+            self._copy(recvbuf, sendbuf, count * self._check(datatype, stream))
+
+        def reduceScatter(self, sendbuf, recvbuf, recvcount, datatype, op, stream):  # noqa: N802
+            self._copy(recvbuf, sendbuf, recvcount * self._check(datatype, stream))
+
+        def allGather(self, sendbuf, recvbuf, count, datatype, stream):  # noqa: N802
+            self._copy(recvbuf, sendbuf, count * self._check(datatype, stream))
+
+        def bcast(self, buff, count, datatype, root, stream):
+            self._check(datatype, stream)
+            if int(root) != 0:
+                raise ValueError(f"simt emulator nccl: root {root} of a one-rank communicator")
+
+        def broadcast(self, sendbuf, recvbuf, count, datatype, root, stream):
+            self.bcast(recvbuf, count, datatype, root, stream)
+            self._copy(recvbuf, sendbuf, count * self._check(datatype, stream))
+
+        def send(self, sendbuf, count, datatype, peer, stream):
+            self._sends.append((int(sendbuf), count * self._check(datatype, stream)))
+
+        def recv(self, recvbuf, count, datatype, peer, stream):
+            n = count * self._check(datatype, stream)
+            src, m = self._sends.pop(0)
+            if m != n:
+                raise RuntimeError(f"simt emulator nccl: recv of {n} bytes matched a send of {m}")
+            self._copy(recvbuf, src, n)
+
+        def destroy(self):
+            self._alive = False
+
+
 class _Cuda:
     runtime = _Runtime()
     nvrtc = _NVRTC()
+    nccl = _NcclModule()
     Device = _Device
     Event = _Event
     Stream = _Stream
@@ -505,3 +584,17 @@ def __getattr__(name):
         out = fn(*args, **kwargs)
         return _wrap(out) if isinstance(out, np.ndarray) else out
     return wrapped
+
+
+def install():
+    """Stand in for cupy and cupyx in sys.modules (``import cupy``, ``import cupyx``,
+    ``from cupy.cuda import nccl``), and in gradfuse.gpu; returns this module."""
+    import sys
+    this = sys.modules[__name__]
+    sys.modules["cupy"] = this
+    sys.modules["cupyx"] = cupyx
+    sys.modules["cupy.cuda"] = cuda
+    sys.modules["cupy.cuda.nccl"] = cuda.nccl
+    from gradfuse import gpu
+    gpu._cp = this
+    return this

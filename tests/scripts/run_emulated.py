@@ -11,11 +11,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "cuda_emu"))
 import fakecupy  # noqa: E402
 
-sys.modules["cupy"] = fakecupy
-sys.modules["cupyx"] = fakecupy.cupyx
-from gradfuse import gpu  # noqa: E402
-
-gpu._cp = fakecupy
+fakecupy.install()
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 runpy.run_path(script, run_name="__main__")
