@@ -314,6 +314,7 @@ extern "C" __global__ void gf_sp_select(const gf_u32* hist, int width, gf_i64 k,
     const gf_u64 above = S - s;
     const bool cross = cum + S >= kk && cum + above < kk;
     const gf_u32 any = __ballot_sync(GF_FULL, cross);
+    __syncwarp();             // every lane's read of state[] before the one lane's write below
     if (cross || (any == 0 && lane == 0)) {
         gf_u64 c = cum + above;
         gf_u32 bin = 0;

@@ -452,6 +452,16 @@ def unpack(buf, ptrs, offsets, nbytes, lo, hi):
         _launch("gf_unpack", _grid_rows(hi - lo, mx, 16), (buf, p, o, c, _I64(lo), _I64(hi)))
 
 
+def _misaligned4(ptrs, offsets, nbytes, lo, hi, dev):
+    """Whether a row of lo..hi-1 has a pointer, offset or byte count that is not a multiple
+    of 4: on the host tables when given as such (no device read), else on the device."""
+    if isinstance(nbytes, cupy().ndarray):
+        p, o, c = dev
+        return bool(((p[lo:hi] | o[lo:hi] | c[lo:hi]) & 3).any())
+    rows = [np.asarray(t, dtype=_I64)[lo:hi] for t in (ptrs, offsets, nbytes)]
+    return bool(np.any((rows[0] | rows[1] | rows[2]) & 3))
+
+
 def unpack_div_f32(buf, ptrs, offsets, nbytes, lo, hi, divisor):
     """float32 unpack and divide (``_core.unpack_div`` with code float32): one IEEE
     division per element, even by 1.0 (as the CPU kernel, which quiets signalling NaNs
@@ -459,6 +469,11 @@ def unpack_div_f32(buf, ptrs, offsets, nbytes, lo, hi, divisor):
     d = _f32_nonzero(divisor, "unpack_div_f32", "divisor")
     _arr(buf, np.uint8, "buf", "unpack_div_f32")
     (p, o, c), _, mx = _table("unpack_div_f32", ptrs, offsets, nbytes, lo, hi, buflen=buf.size)
+    # the kernel reads and writes whole floats: a misaligned address would be a sticky
+    # CUDA error that ends the context (the CPU kernel copies bytes and would accept it)
+    if hi > lo and _misaligned4(ptrs, offsets, nbytes, lo, hi, (p, o, c)):
+        raise ValueError("unpack_div_f32: pointers, offsets and byte counts must be multiples of 4 "
+                         "(whole float32 values)")
     if hi > lo and mx > 0:
         _launch("gf_unpack_div_f32", _grid_rows(hi - lo, mx // 4, 1),
                 (buf, p, o, c, _I64(lo), _I64(hi), d))

@@ -193,6 +193,21 @@ def test_unpack_div_f32(g, divisor):
     same_bits(y.get(), xc)
 
 
+@pytest.mark.parametrize("bad", ["offset", "nbytes", "pointer"])
+@pytest.mark.parametrize("on_device", [False, True], ids=["host-table", "device-table"])
+def test_unpack_div_f32_refuses_misaligned_rows(g, bad, on_device):
+    """Whole floats only: a misaligned address would be a sticky CUDA error on a GPU."""
+    cp, gpu = g
+    buf = cp.zeros(64, cp.uint8)
+    out = cp.zeros(8, F32)
+    ptrs = np.array([out.data.ptr + (2 if bad == "pointer" else 0)], np.int64)
+    offsets = np.array([2 if bad == "offset" else 0], np.int64)
+    nbytes = np.array([6 if bad == "nbytes" else 8], np.int64)
+    tables = [cp.asarray(t) for t in (ptrs, offsets, nbytes)] if on_device else [ptrs, offsets, nbytes]
+    with pytest.raises(ValueError, match="multiples of 4"):
+        gpu.unpack_div_f32(buf, *tables, 0, 1, 2.0)
+
+
 # ------------------------------------------------------------------ casts
 
 def f32_patterns():

@@ -66,7 +66,7 @@ inline unsigned long long atomicMin(unsigned long long* p, unsigned long long v)
 // wait at a warp intrinsic while others of the warp returned or wait elsewhere are
 // divergence at a full-mask intrinsic; a barrier that some threads cannot reach is a
 // deadlock: both abort with a message. emu_cur is the thread index in the block.
-enum { EMU_SHFL_DOWN = 1, EMU_SHFL = 2, EMU_BALLOT = 3, EMU_SYNC = 4 };
+enum { EMU_SHFL_DOWN = 1, EMU_SHFL = 2, EMU_BALLOT = 3, EMU_SYNC = 4, EMU_SYNCWARP = 5 };
 struct EmuLane {
     int state;            // 0 runnable, 1 waiting at an intrinsic, 2 returned
     int op, arg;
@@ -101,6 +101,13 @@ template <class T> inline T __shfl_sync(unsigned mask, T v, int src)
 inline void __syncthreads()
 {
     emu_wait(EMU_SYNC, 0, 0);
+}
+
+// a warp barrier (and memory fence among its lanes): all 32 lanes must meet here
+inline void __syncwarp(unsigned mask = 0xffffffffu)
+{
+    emu_full(mask);
+    emu_wait(EMU_SYNCWARP, 0, 0);
 }
 
 inline unsigned __ballot_sync(unsigned mask, int pred)

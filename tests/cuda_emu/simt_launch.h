@@ -24,7 +24,7 @@ static void emu_lane_main()
 static const char* emu_opname(int op)
 {
     return op == EMU_SHFL_DOWN ? "__shfl_down_sync" : op == EMU_SHFL ? "__shfl_sync"
-         : op == EMU_BALLOT ? "__ballot_sync" : "__syncthreads";
+         : op == EMU_BALLOT ? "__ballot_sync" : op == EMU_SYNCWARP ? "__syncwarp" : "__syncthreads";
 }
 
 // Run the runnable lanes of warp w until none is runnable; resolve its warp intrinsics
