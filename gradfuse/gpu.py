@@ -370,8 +370,10 @@ def _upload(t):
     return cupy().asarray(t)
 
 
-def _table(who, ptrs, offsets, counts, lo, hi, dense=False, buflen=None):
-    """Device copies of a table and the largest row count of rows lo..hi-1."""
+def _table(who, ptrs, offsets, counts, lo, hi, dense=False, buflen=None, align=1):
+    """Device copies of a table and the largest row count of rows lo..hi-1. ``align``:
+    pointers, offsets and counts of those rows must be multiples of it (a kernel that
+    moves whole floats would fault on a misaligned address: a sticky CUDA error)."""
     cp = cupy()
     lo, hi = int(lo), int(hi)
     host = not isinstance(counts, cp.ndarray)
@@ -391,6 +393,7 @@ def _table(who, ptrs, offsets, counts, lo, hi, dense=False, buflen=None):
             raise ValueError(f"{who}: offsets are not dense from 0")
         if buflen is not None and len(c) and int((o + c).max()) > buflen:
             raise ValueError(f"{who}: buffer of {buflen} elements too short for the table")
+        misaligned = bool(((p | o | c) & (align - 1)).any())
         n = int(c.sum())
         mx = int(c.max()) if len(c) else 0
         dev = tuple(_upload(t) for t in (ptrs, offsets, counts))
@@ -398,11 +401,16 @@ def _table(who, ptrs, offsets, counts, lo, hi, dense=False, buflen=None):
         for t, nm in ((ptrs, "ptrs"), (offsets, "offsets"), (counts, "counts")):
             _arr(t, _I64, nm, who)
         if hi > lo:
-            stats = cp.stack([counts[lo:hi].sum(), counts[lo:hi].max()]).get()
-            n, mx = int(stats[0]), int(stats[1])
+            c = counts[lo:hi]
+            bits = (ptrs[lo:hi] | offsets[lo:hi] | c) & (align - 1)
+            stats = cp.stack([c.sum(), c.max(), bits.max()]).get()    # one device read
+            n, mx, misaligned = int(stats[0]), int(stats[1]), bool(stats[2])
         else:
             n = mx = 0
+            misaligned = False
         dev = (ptrs, offsets, counts)
+    if misaligned:
+        raise ValueError(f"{who}: pointers, offsets and byte counts must be multiples of {align}")
     return dev, n, mx
 
 
@@ -452,28 +460,14 @@ def unpack(buf, ptrs, offsets, nbytes, lo, hi):
         _launch("gf_unpack", _grid_rows(hi - lo, mx, 16), (buf, p, o, c, _I64(lo), _I64(hi)))
 
 
-def _misaligned4(ptrs, offsets, nbytes, lo, hi, dev):
-    """Whether a row of lo..hi-1 has a pointer, offset or byte count that is not a multiple
-    of 4: on the host tables when given as such (no device read), else on the device."""
-    if isinstance(nbytes, cupy().ndarray):
-        p, o, c = dev
-        return bool(((p[lo:hi] | o[lo:hi] | c[lo:hi]) & 3).any())
-    rows = [np.asarray(t, dtype=_I64)[lo:hi] for t in (ptrs, offsets, nbytes)]
-    return bool(np.any((rows[0] | rows[1] | rows[2]) & 3))
-
-
 def unpack_div_f32(buf, ptrs, offsets, nbytes, lo, hi, divisor):
     """float32 unpack and divide (``_core.unpack_div`` with code float32): one IEEE
     division per element, even by 1.0 (as the CPU kernel, which quiets signalling NaNs
     then); a NaN comes back quieted with its payload, as x86 division does."""
     d = _f32_nonzero(divisor, "unpack_div_f32", "divisor")
     _arr(buf, np.uint8, "buf", "unpack_div_f32")
-    (p, o, c), _, mx = _table("unpack_div_f32", ptrs, offsets, nbytes, lo, hi, buflen=buf.size)
-    # the kernel reads and writes whole floats: a misaligned address would be a sticky
-    # CUDA error that ends the context (the CPU kernel copies bytes and would accept it)
-    if hi > lo and _misaligned4(ptrs, offsets, nbytes, lo, hi, (p, o, c)):
-        raise ValueError("unpack_div_f32: pointers, offsets and byte counts must be multiples of 4 "
-                         "(whole float32 values)")
+    # whole floats (the CPU kernel copies bytes and would accept any offset)
+    (p, o, c), _, mx = _table("unpack_div_f32", ptrs, offsets, nbytes, lo, hi, buflen=buf.size, align=4)
     if hi > lo and mx > 0:
         _launch("gf_unpack_div_f32", _grid_rows(hi - lo, mx // 4, 1),
                 (buf, p, o, c, _I64(lo), _I64(hi), d))
