@@ -29,7 +29,14 @@ import numpy as np
 
 _kDLCPU, _kDLCUDA, _kDLCUDAHost, _kDLCUDAManaged = 1, 2, 3, 13
 kDLCUDA, kDLCUDAManaged = _kDLCUDA, _kDLCUDAManaged        # DLPack device types of GPU memory
+GPU_DEVICE_TYPES = (_kDLCUDA, _kDLCUDAManaged)
 _DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT = 0, 1, 2, 4
+
+
+def is_gpu_device(dev):
+    """Whether a DLPack ``(device type, id)`` (or None) is GPU memory."""
+    return dev is not None and dev[0] in GPU_DEVICE_TYPES
+
 
 
 class _DLDevice(ctypes.Structure):
@@ -228,11 +235,11 @@ def from_dlpack_capsule(capsule, name="tensor", source=None):
     dev = t.device.device_type
     if dev not in (_kDLCPU, _kDLCUDAHost, _kDLCUDA, _kDLCUDAManaged):
         raise TypeError(f"tensor {name!r}: DLPack device type {dev} is not supported")
-    if dev in (_kDLCUDA, _kDLCUDAManaged) and strides is not None and not _contiguous(shape, strides, dtype):
+    if dev in GPU_DEVICE_TYPES and strides is not None and not _contiguous(shape, strides, dtype):
         raise ValueError(f"tensor {name!r}: non-contiguous CUDA DLPack tensors are not supported; "
                          f"make it contiguous first")
     _api.PyCapsule_SetName(capsule, _USED_VERSIONED if versioned else _USED)
-    if dev in (_kDLCUDA, _kDLCUDAManaged):
+    if dev in GPU_DEVICE_TYPES:
         owner = _DLPackOwner(ptr, None, (capsule, source), versioned)
         return DeviceArray(data, shape, dtype, int(t.device.device_id), readonly, owner)
     interface = {"version": 3, "shape": shape, "typestr": dtype.str,

@@ -176,8 +176,7 @@ def _dlpack_on_device(obj):
     ``__dlpack__(stream=...)``, which orders the producer's work before the caller's
     stream, even when they also have ``__cuda_array_interface__`` (PyTorch's has no
     stream to wait for)."""
-    dev = _producer_device(obj)
-    return dev is not None and dev[0] in (intake.kDLCUDA, intake.kDLCUDAManaged)
+    return intake.is_gpu_device(_producer_device(obj))
 
 
 def _on_device(obj):
@@ -188,15 +187,14 @@ def _on_device(obj):
         return True
     dev = _producer_device(obj)
     if dev is not None:              # a DLPack producer says where it is
-        return dev[0] in (intake.kDLCUDA, intake.kDLCUDAManaged)
+        return intake.is_gpu_device(dev)
     cai, cai_error = intake.cuda_interface(obj)
     if cai is not None:
         return True
     if getattr(getattr(obj, "context", None), "device_type", None) == "gpu":
         return True         # an MXNet NDArray on a GPU (read through its DLPack capsule)
     if intake.is_capsule(obj):
-        dev = intake.capsule_device(obj)
-        return dev is not None and dev[0] in (intake.kDLCUDA, intake.kDLCUDAManaged)
+        return intake.is_gpu_device(intake.capsule_device(obj))
     # a CUDA array interface whose property raises (PyTorch: a tensor that requires grad)
     # still says the tensor is on a GPU; the GPU intake falls back on DLPack or names it
     return cai_error is not None
