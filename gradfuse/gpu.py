@@ -272,7 +272,7 @@ def check_subnormals():
     got_div, got_sum = got_div.get(), got_sum.get()
     if not (np.array_equal(got_div.view(np.uint32), want_div.view(np.uint32))
             and np.array_equal(got_sum, want_sum)):
-        paths = sorted({getattr(m, "cubin_path", None) or "?" for m in _MODULES.values()})
+        paths = sorted({getattr(m, "file_path", None) or "?" for m in _MODULES.values()})
         raise RuntimeError(
             "the GPU kernels flush subnormals to zero on this device (float32 "
             f"{x.tolist()} / 2 gave {got_div.tolist()}, want {want_div.tolist()}; bf16 sum gave "

@@ -11,6 +11,7 @@ import os
 import shutil
 import sys
 
+import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -85,3 +86,49 @@ def test_digits_example_gpu_branch_on_simt_emulator():
         assert len(rows) == 7 and all(r.rstrip().endswith("| yes |") for r in rows), out[-3000:]
         tables.append(rows)
     assert tables[0] == tables[1], tables
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (the SIMT emulator needs it)")
+def test_emulator_is_as_strict_as_cupy(tmp_path):
+    """Where real cupy 14 refuses or misreads a call, the emulator must refuse it too, or it
+    hides the bug until the first GPU run: an argument whose width or kind differs from the
+    kernel parameter (cupy passes each value with its own type's width), a grid that is not
+    a tuple, a wrong argument count, NCCL's unique id given as anything but bytes, and
+    UnownedMemory on a null pointer without a device."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "cuda_emu"))
+    import fakecupy as cp
+    src = ('extern "C" __global__ void k(float* x, int n, long long m, unsigned long long u) '
+           '{ unsigned i = blockIdx.x * blockDim.x + threadIdx.x; '
+           'if (i < (unsigned) n) x[i] = (float) (m + (long long) u); }')
+    nvrtc = cp.cuda.nvrtc
+    prog = nvrtc.createProgram(src, "k.cu", [], [])
+    nvrtc.compileProgram(prog, ["-ftz=false", "-arch=sm_90"])
+    path = tmp_path / "k.cubin"
+    path.write_bytes(nvrtc.getCUBIN(prog))
+    mod = cp.RawModule(path=str(path))
+    assert mod.file_path == str(path)
+    k = mod.get_function("k")
+    assert k.params == ["p8", "i4", "i8", "u8"]
+    x = cp.zeros(40, cp.float32)
+    k((2,), (32,), (x, np.int32(40), np.int64(5), np.uint64(2)))
+    assert (x.get() == 7).all()
+    with pytest.raises(TypeError, match=r"argument 1 is i8"):
+        k((2,), (32,), (x, np.int64(40), np.int64(5), np.uint64(2)))
+    with pytest.raises(TypeError, match=r"argument 2 is i4"):
+        k((2,), (32,), (x, np.int32(40), np.int32(5), np.uint64(2)))
+    with pytest.raises(TypeError, match=r"argument 3 is f4"):
+        k((2,), (32,), (x, np.int32(40), np.int64(5), np.float32(2)))
+    with pytest.raises(TypeError, match="untyped"):
+        k((2,), (32,), (x, 40, np.int64(5), np.uint64(2)))
+    with pytest.raises(TypeError, match="3 arguments for 4"):
+        k((2,), (32,), (x, np.int32(40), np.int64(5)))
+    with pytest.raises(TypeError, match="grid must be a tuple"):
+        k([2], (32,), (x, np.int32(40), np.int64(5), np.uint64(2)))
+    nccl = cp.cuda.nccl
+    uid = nccl.get_unique_id()
+    assert isinstance(uid, bytes) and len(uid) == 128
+    with pytest.raises(TypeError, match="expected bytes, got tuple"):
+        nccl.NcclCommunicator(1, tuple(uid), 0)
+    nccl.NcclCommunicator(1, uid, 0)
+    with pytest.raises(ValueError, match="explicit device ID"):
+        cp.cuda.UnownedMemory(0, 0, None, -1)

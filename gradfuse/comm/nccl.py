@@ -62,7 +62,9 @@ def as_device(obj):
         arr = cp.asarray(obj)
     elif hasattr(obj, "ptr") and hasattr(obj, "dtype") and hasattr(obj, "shape"):   # intake.DeviceArray
         nbytes = int(np.prod(obj.shape, dtype=np.int64)) * np.dtype(obj.dtype).itemsize
-        dev = obj.device_id if obj.device_id >= 0 else cp.cuda.runtime.getDevice()
+        # device -1 (from __cuda_array_interface__, which names none): cupy looks up the
+        # pointer's own device, as cupy.asarray does; a null pointer needs an explicit one
+        dev = obj.device_id if obj.device_id >= 0 else (-1 if obj.ptr else cp.cuda.runtime.getDevice())
         mem = cp.cuda.UnownedMemory(int(obj.ptr), nbytes, obj.owner, dev)
         arr = cp.ndarray(obj.shape, obj.dtype, cp.cuda.MemoryPointer(mem, 0))
     else:
@@ -156,7 +158,9 @@ class NCCLCommunicator(_GPUComm):
         kind, uid = self.mpi.user_comm.bcast(sent, root=0)
         if kind == "error":
             raise RuntimeError(f"NCCL: rank 0 could not create the unique id: {uid}")
-        self.nccl = nccl.NcclCommunicator(self.size, tuple(uid), self.rank)
+        # passed on exactly as get_unique_id() made it: bytes since cupy 14 (whose constructor
+        # takes only bytes), a tuple of ints before; mpi4py's pickled bcast keeps the type
+        self.nccl = nccl.NcclCommunicator(self.size, uid, self.rank)
         self.stream = cp.cuda.Stream(non_blocking=True)
         self._ready = cp.cuda.Event(disable_timing=True)
         self._u8 = _const(nccl, "NCCL_UINT8", _NCCL_DTYPES, "uint8")

@@ -300,7 +300,10 @@ class _Stream:
 
 
 class _Memory:
-    def __init__(self, ptr, size, owner, device_id=None):
+    def __init__(self, ptr, size, owner, device_id=-1):
+        # cupy: device -1 means "the pointer's own device", which a null pointer has not
+        if int(device_id) < 0 and not int(ptr):
+            raise ValueError("UnownedMemory requires explicit device ID for a null pointer.")
         self.ptr, self.size, self.owner = int(ptr), int(size), owner
 
 
@@ -382,7 +385,8 @@ class _NcclModule:
 
     @staticmethod
     def get_unique_id():
-        return tuple(range(-64, 64))
+        # cupy 14: bytes (a tuple of 128 ints before 14.0)
+        return bytes(range(128))
 
     def groupStart(self):  # noqa: N802 (cupy's names)
         self._group += 1
@@ -396,8 +400,12 @@ class _NcclModule:
         def __init__(self, ndev, commId, rank):  # noqa: N803
             if int(ndev) != 1 or int(rank) != 0:
                 raise RuntimeError(f"simt emulator nccl: one rank only (ndev={ndev}, rank={rank})")
-            if len(tuple(commId)) != 128:
-                raise TypeError("commId must be the 128 values of get_unique_id()")
+            # cupy 14's constructor is typed (int ndev, bytes commId, int rank)
+            if not isinstance(commId, bytes):
+                raise TypeError(f"Argument 'commId' has incorrect type (expected bytes, got "
+                                f"{type(commId).__name__})")
+            if len(commId) != 128:
+                raise TypeError("commId must be the 128 bytes of get_unique_id()")
             self._alive, self._sends = True, []
 
         def _check(self, datatype, stream):
@@ -475,8 +483,8 @@ def _build(code):
     """Compile one .cu source with the emulator header into a shared library (cached)."""
     names = re.findall(r'extern "C" __global__ void (\w+)\s*\(', code)
     reg = ("static const EmuKernel emu_kernels[] = {\n"
-           + "".join(f'    {{"{n}", [](void** a) {{ emu_call({n}, a); }}}},\n' for n in names)
-           + "    {0, 0}\n};\n")
+           + "".join(f'    {{"{n}", [](void** a) {{ emu_call({n}, a); }}, emu_sig({n})}},\n' for n in names)
+           + "    {0, 0, 0}\n};\n")
     with open(os.path.join(HERE, "simt.h")) as f:
         head = f.read()
     with open(os.path.join(HERE, "simt_launch.h")) as f:
@@ -499,26 +507,45 @@ def _build(code):
     lib.emu_launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                                ctypes.POINTER(ctypes.c_void_p)]
     lib.emu_launch.restype = ctypes.c_int
+    lib.emu_signature.argtypes = [ctypes.c_char_p]
+    lib.emu_signature.restype = ctypes.c_char_p
     return lib, set(names)
 
 
 class RawKernel:
     def __init__(self, lib, name):
         self.lib, self.name = lib, name
+        sig = lib.emu_signature(name.encode()).decode()
+        self.params = [sig[i:i + 2] for i in range(0, len(sig), 2)]    # e.g. ["p8", "i4", "f4"]
 
     def __call__(self, grid, block, args):
+        # real cupy: grid and block are tuples of ints; each argument is passed with the
+        # width of its own type (a cupy array as a pointer, a numpy scalar as itself, and
+        # a Python int as 8 bytes), which must be the kernel parameter's width and kind
+        for what, dims in (("grid", grid), ("block", block)):
+            if not isinstance(dims, tuple) or not 1 <= len(dims) <= 3 \
+                    or not all(isinstance(d, (int, np.integer)) for d in dims):
+                raise TypeError(f"{self.name}: {what} must be a tuple of 1-3 ints, got {dims!r}")
+        if len(args) != len(self.params):
+            raise TypeError(f"{self.name}: {len(args)} arguments for {len(self.params)} parameters")
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
         keep = []
-        for a in args:
+        for i, (a, want) in enumerate(zip(args, self.params)):
             if isinstance(a, np.ndarray):
                 if not isinstance(a, ndarray):
                     raise TypeError(f"{self.name}: a host numpy array passed to a kernel")
+                got = "p8"
                 keep.append(ctypes.c_void_p(a.ctypes.data))
             elif isinstance(a, np.generic):
+                # a nullable pointer travels as np.uint64 (8 bytes, as cupy passes it)
+                got = "p8" if want == "p8" and a.dtype == np.uint64 else a.dtype.kind + str(a.dtype.itemsize)
                 keep.append(_ARG[a.dtype](a.item()))
             else:
                 raise TypeError(f"{self.name}: untyped kernel argument {a!r} ({type(a).__name__})")
+            if got != want:
+                raise TypeError(f"{self.name}: argument {i} is {got} ({type(a).__name__}), the kernel "
+                                f"parameter is {want} (kind and bytes)")
         argv = (ctypes.c_void_p * max(1, len(keep)))(*[ctypes.cast(ctypes.pointer(k), ctypes.c_void_p)
                                                       for k in keep])
         if grid[2] != 1 or block[1] != 1 or block[2] != 1:
@@ -540,6 +567,7 @@ class RawModule:
         if not data.startswith(_NVRTC.MAGIC):
             raise RuntimeError(f"simt emulator: {path} is not a module from the emulator's nvrtc")
         self.options = tuple(options)
+        self.file_path = path
         self.lib, self.names = _build(data[len(_NVRTC.MAGIC):].decode())
 
     def get_function(self, name):

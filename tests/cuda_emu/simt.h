@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <ucontext.h>
 #include <type_traits>
 #include <utility>
@@ -128,5 +129,25 @@ template <class... A> void emu_call(void (*f)(A...), void** a)
     emu_call_impl(f, a, std::index_sequence_for<A...>{});
 }
 
+// A kernel's parameter list as cupy must pass it: per parameter a kind (p pointer,
+// f float, i signed, u unsigned) and its size in bytes, e.g. "p8i4f4" for (T*, int, float).
+// cupy sends a Python int as 8 bytes and a float as a double, so a width mismatch reads
+// garbage on a GPU; fakecupy.RawKernel checks every launch against this.
+template <class T> constexpr char emu_kind()
+{
+    using U = std::remove_cv_t<std::remove_reference_t<T>>;
+    return std::is_pointer<U>::value ? 'p' : std::is_floating_point<U>::value ? 'f'
+         : std::is_signed<U>::value ? 'i' : 'u';
+}
+template <class... A> const char* emu_sig(void (*)(A...))
+{
+    static const std::string s = [] {
+        std::string r;
+        ((r += emu_kind<A>(), r += char('0' + sizeof(std::remove_reference_t<A>))), ...);
+        return r;
+    }();
+    return s.c_str();
+}
+
 typedef void (*emu_entry)(void**);
-struct EmuKernel { const char* name; emu_entry fn; };
+struct EmuKernel { const char* name; emu_entry fn; const char* sig; };

@@ -97,6 +97,13 @@ static void emu_run_block(unsigned nthreads)
     }
 }
 
+extern "C" const char* emu_signature(const char* name)
+{
+    for (const EmuKernel* k = emu_kernels; k->name; k++)
+        if (!std::strcmp(k->name, name)) return k->sig;
+    return 0;
+}
+
 extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned bx, void** args)
 {
     emu_entry fn = 0;
