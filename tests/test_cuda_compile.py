@@ -164,6 +164,16 @@ def _load_nvrtc():
     for path in _nvrtc_candidates():
         if "builtins" in os.path.basename(path):
             continue
+        # libnvrtc loads its libnvrtc-builtins.so.X.Y at compile time; NVRTC 13.0's wheel
+        # cannot find it by itself, and cupy (cuda-pathfinder) preloads it only when it
+        # loads libnvrtc itself, which it skips once this process has. Preload it globally
+        # first, or cupy's own kernels in the same process (the device check's) fail to compile.
+        for builtins in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*"))):
+            try:
+                ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+                break
+            except OSError:
+                continue
         try:
             return _NVRTC(ctypes.CDLL(path))
         except (OSError, AttributeError, RuntimeError):
