@@ -176,9 +176,11 @@ def _wall(fn, repeat, warmup=2):
 PIPELINE_COMPRESSORS = ("none", "fp16", "bf16", "1bit", "2bit", "topk", "randomk")
 
 
-def run_pipeline(repeat=10, compressors=PIPELINE_COMPRESSORS):
-    """Pipeline step on the ResNet-50 set, GPU vs host, one rank (``allreduce`` into
-    preallocated outputs; every GPU step ends with a stream synchronize)."""
+def run_pipeline(repeat=10, compressors=PIPELINE_COMPRESSORS, shapes=None, emit=None):
+    """Pipeline step on the ResNet-50 set (or ``shapes``), GPU vs host, one rank
+    (``allreduce`` into preallocated outputs; every GPU step ends with a stream
+    synchronize). Each table line goes to ``emit`` as soon as it is measured, so a run
+    cut short keeps the rows it finished; returns the whole table."""
     import gradfuse
     from .bench import resnet50_shapes
     from .comm.single import SingleProcessCommunicator
@@ -186,7 +188,15 @@ def run_pipeline(repeat=10, compressors=PIPELINE_COMPRESSORS):
     cp = gpu.cupy()
     comm = SingleProcessCommunicator()
     rng = np.random.default_rng(0)
-    shapes = resnet50_shapes()
+    set_name = "ResNet-50 gradients" if shapes is None else "gradients"
+    shapes = resnet50_shapes() if shapes is None else shapes
+    lines = []
+
+    def out(line):
+        lines.append(line)
+        if emit is not None:
+            emit(line)
+
     host = {f"g{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(shapes)}
     host_out = {k: np.empty_like(v) for k, v in host.items()}
     dev = {k: cp.asarray(v) for k, v in host.items()}
@@ -194,11 +204,12 @@ def run_pipeline(repeat=10, compressors=PIPELINE_COMPRESSORS):
     n = sum(v.size for v in host.values())
     flat, flat2 = cp.empty(n, cp.float32), cp.empty(n, cp.float32)
     t_copy = _time(cp, lambda: cp.copyto(flat2, flat), repeat)
-    lines = [f"Pipeline step on ResNet-50 gradients ({len(shapes)} float32 tensors, {n} elements, "
-             f"{4 * n / 1e6:.0f} MB), one rank, median of {repeat}; D2D copy of the same bytes: "
-             f"{t_copy * 1e3:.3f} ms", "",
-             "| compressor | GPU step (ms) | host step (ms) | host / GPU | GPU step / D2D copy | same bits |",
-             "|---|---:|---:|---:|---:|---|"]
+    for line in (f"Pipeline step on {set_name} ({len(shapes)} float32 tensors, {n} elements, "
+                 f"{4 * n / 1e6:.0f} MB), one rank, median of {repeat}; D2D copy of the same bytes: "
+                 f"{t_copy * 1e3:.3f} ms", "",
+                 "| compressor | GPU step (ms) | host step (ms) | host / GPU | GPU step / D2D copy | same bits |",
+                 "|---|---:|---:|---:|---:|---|"):
+        out(line)
     for name in compressors:
         pd = gradfuse.Pipeline(compress=name, comm=comm)
         ph = gradfuse.Pipeline(compress=name, comm=comm)
@@ -210,8 +221,8 @@ def run_pipeline(repeat=10, compressors=PIPELINE_COMPRESSORS):
         a = pd2.allreduce(dev)
         b = ph2.allreduce(host)
         same = all(np.array_equal(a[k].get().view(np.uint32), b[k].view(np.uint32)) for k in host)
-        lines.append(f"| {name} | {t_dev * 1e3:.2f} | {t_host * 1e3:.2f} | {t_host / t_dev:.1f} | "
-                     f"{t_dev / t_copy:.1f} | {'yes' if same else 'NO'} |")
+        out(f"| {name} | {t_dev * 1e3:.2f} | {t_host * 1e3:.2f} | {t_host / t_dev:.1f} | "
+            f"{t_dev / t_copy:.1f} | {'yes' if same else 'NO'} |")
     return "\n".join(lines)
 
 
@@ -224,20 +235,30 @@ def main(argv=None):
     ap.add_argument("--pipeline", action="store_true", help="also time Pipeline steps on ResNet-50 (GPU vs host)")
     ap.add_argument("--only-pipeline", action="store_true", help="only the Pipeline table")
     args = ap.parse_args(argv)
-    parts = []
-    if not args.only_pipeline:
-        parts.append(run(args.mb, args.repeat, args.block))
-    if args.pipeline or args.only_pipeline:
-        parts.append(run_pipeline(max(3, args.repeat // 2)))
-    table = "\n\n".join(parts)
-    print(table)
     out = args.out
     if out is None and os.environ.get("OUT"):
         out = os.path.join(os.environ["OUT"], "gpu_bench.md")
-    if out:
-        with open(out, "w") as f:
-            f.write(table + "\n")
-        print(f"written to {out}", file=sys.stderr)
+    # every table, and every Pipeline row, is printed and written as soon as it is
+    # measured: a run stopped by a time limit keeps what it finished
+    sink = open(out, "w") if out else None
+
+    def emit(text):
+        print(text, flush=True)
+        if sink is not None:
+            sink.write(text + "\n")
+            sink.flush()
+
+    try:
+        if not args.only_pipeline:
+            emit(run(args.mb, args.repeat, args.block))
+        if args.pipeline or args.only_pipeline:
+            if not args.only_pipeline:
+                emit("")
+            run_pipeline(max(3, args.repeat // 2), emit=emit)
+    finally:
+        if sink is not None:
+            sink.close()
+            print(f"written to {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

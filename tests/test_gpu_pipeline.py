@@ -354,3 +354,23 @@ def test_gpu_only_empty_tensors(cp, comm):
     pipe = gradfuse.Pipeline(compress="1bit", comm=comm)
     out = pipe.allreduce({"e": cp.zeros((0, 4), cp.float32), "f": cp.zeros(0, cp.float32)})
     assert out["e"].shape == (0, 4) and out["f"].shape == (0,) and isinstance(out["e"], cp.ndarray)
+
+
+def test_gpu_bench_runs_and_streams_its_rows(cp, tmp_path, monkeypatch, capsys):
+    """The device check's benchmark, small: every kernel row and every Pipeline row is
+    made, each Pipeline row says the GPU and host steps gave the same bits, and the file
+    is written as rows come (a run cut short by a time limit keeps what it finished)."""
+    from gradfuse import bench_gpu
+    lines = []
+    table = bench_gpu.run_pipeline(repeat=1, compressors=("none", "1bit", "topk"),
+                                   shapes=[(300,), (17, 5), (1000,)], emit=lines.append)
+    assert table == "\n".join(lines)
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| compressor")]
+    assert len(rows) == 3 and all(row.endswith("| yes |") for row in rows), table
+    out = tmp_path / "bench.md"
+    monkeypatch.setattr(bench_gpu, "run_pipeline", lambda repeat, emit: emit("| pipeline row |"))
+    bench_gpu.main(["--mb", "1", "--repeat", "1", "--pipeline", "--out", str(out)])
+    text = out.read_text()
+    assert "1-bit compress + EF (B=512)" in text and "2-bit decompress-sum" in text, text
+    assert "target >= 5x" in text and text.rstrip().endswith("| pipeline row |"), text
+    assert capsys.readouterr().out.strip() == text.strip()
