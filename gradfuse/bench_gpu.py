@@ -61,7 +61,8 @@ def cupy_onebit_ef(cp, g, e, block):
     return bits, s, e_out
 
 
-def run(mb=256, repeat=20, block=512, p=4):
+def run(mb=256, repeat=20, block=512, p=4, emit=None):
+    """The kernel table; each line goes to ``emit`` as soon as it is measured."""
     from . import gpu
     if not gpu.available():
         raise SystemExit("bench_gpu: no CUDA device visible to cupy")
@@ -82,11 +83,32 @@ def run(mb=256, repeat=20, block=512, p=4):
     cnt = cp.zeros(2, cp.uint64)
     empty = cp.zeros(0, cp.float32)
     F = 4 * n
-    rows = []
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    lines = []
+
+    def out(line):
+        lines.append(line)
+        if emit is not None:
+            emit(line)
+
+    for line in (f"GPU kernels on {name}, bucket {mb} MB float32 ({n} elements), median of {repeat} "
+                 f"(cupy {cp.__version__}, CUDA runtime {cp.cuda.runtime.runtimeGetVersion()})",
+                 "",
+                 "| kernel | bytes moved (MB) | time (ms) | GB/s | % of D2D copy | x cupy ops |",
+                 "|---|---:|---:|---:|---:|---:|"):
+        out(line)
+
+    def row(label, nbytes, t, t_ref):
+        bw = nbytes / t
+        ratio = f"{t_ref / t:.1f}" if t_ref else ""
+        out(f"| {label} | {nbytes / 1e6:.0f} | {t * 1e3:.3f} | {bw / 1e9:.0f} | "
+            f"{100 * bw / bw_copy:.0f} % | {ratio} |")
 
     t_copy = _time(cp, lambda: cp.copyto(dst, g), repeat)
     bw_copy = 2 * F / t_copy
-    rows.append(("D2D copy (cupy.copyto)", 2 * F, t_copy, None))
+    row("D2D copy (cupy.copyto)", 2 * F, t_copy, None)
 
     # pack / unpack: the bucket as 1024 tensors of mixed sizes, through the device table
     sizes = np.random.default_rng(1).integers(1, 2 * n // 1024, 1024)
@@ -99,65 +121,53 @@ def run(mb=256, repeat=20, block=512, p=4):
     tp, to, tb = gpu.resident(ptrs), gpu.resident(offs * 4), gpu.resident(sizes * 4)
     buf8 = g.view(cp.uint8)
     hi = len(sizes)
-    rows.append(("pack, 1024 tensors", 2 * F,
-                 _time(cp, lambda: gpu.pack(buf8, tp, to, tb, 0, hi), repeat), None))
-    rows.append(("unpack, 1024 tensors", 2 * F,
-                 _time(cp, lambda: gpu.unpack(buf8, tp, to, tb, 0, hi), repeat), None))
-    rows.append(("unpack + divide (f32)", 2 * F,
-                 _time(cp, lambda: gpu.unpack_div_f32(buf8, tp, to, tb, 0, hi, 3.0), repeat), None))
+    row("pack, 1024 tensors", 2 * F,
+                 _time(cp, lambda: gpu.pack(buf8, tp, to, tb, 0, hi), repeat), None)
+    row("unpack, 1024 tensors", 2 * F,
+                 _time(cp, lambda: gpu.unpack(buf8, tp, to, tb, 0, hi), repeat), None)
+    row("unpack + divide (f32)", 2 * F,
+                 _time(cp, lambda: gpu.unpack_div_f32(buf8, tp, to, tb, 0, hi, 3.0), repeat), None)
 
     for fmt, name in ((1, "fp16"), (2, "bf16")):
-        rows.append((f"cast f32 -> {name} (+counts)", F + F // 2,
-                     _time(cp, lambda: gpu.cast_to16(fmt, g, h16, 1.0, count_out=cnt), repeat), None))
-        rows.append((f"cast {name} -> f32, / 3", F + F // 2,
-                     _time(cp, lambda: gpu.cast_from16(fmt, h16, dst, 3.0), repeat), None))
+        row(f"cast f32 -> {name} (+counts)", F + F // 2,
+                     _time(cp, lambda: gpu.cast_to16(fmt, g, h16, 1.0, count_out=cnt), repeat), None)
+        row(f"cast {name} -> f32, / 3", F + F // 2,
+                     _time(cp, lambda: gpu.cast_from16(fmt, h16, dst, 3.0), repeat), None)
 
     ob_bytes = 3 * F + 4 * nw + 4 * nb
     t_ob = _time(cp, lambda: gpu.onebit_compress_array(g, e_in, e_out, block, bits, scales, count_out=bad), repeat)
     t_cupy = _time(cp, lambda: cupy_onebit_ef(cp, g, e_in, block), max(3, repeat // 4), warmup=1)
-    rows.append((f"1-bit compress + EF (B={block})", ob_bytes, t_ob, t_cupy))
-    rows.append(("  same math in cupy ops + packbits", ob_bytes, t_cupy, None))
-    rows.append((f"1-bit compress, no EF", F + 4 * nw + 4 * nb,
+    row(f"1-bit compress + EF (B={block})", ob_bytes, t_ob, t_cupy)
+    row("  same math in cupy ops + packbits", ob_bytes, t_cupy, None)
+    row(f"1-bit compress, no EF", F + 4 * nw + 4 * nb,
                  _time(cp, lambda: gpu.onebit_compress_array(g, empty, empty, block, bits, scales, count_out=bad),
-                       repeat), None))
+                       repeat), None)
     for blk in (2048,):
         nb2 = -(-n // blk)
         sc2 = cp.empty(nb2, cp.float32)
-        rows.append((f"1-bit compress + EF (B={blk}, re-reading path)", 3 * F + 4 * nw + 4 * nb2,
+        row(f"1-bit compress + EF (B={blk}, re-reading path)", 3 * F + 4 * nw + 4 * nb2,
                      _time(cp, lambda: gpu.onebit_compress_array(g, e_in, e_out, blk, bits, sc2, count_out=bad),
-                           repeat), None))
+                           repeat), None)
     bits_p = cp.tile(bits, (p, 1))
     scales_p = cp.tile(scales, (p, 1))
-    rows.append(("1-bit decompress-sum, p=1", F + 4 * nw + 4 * nb,
+    row("1-bit decompress-sum, p=1", F + 4 * nw + 4 * nb,
                  _time(cp, lambda: gpu.onebit_decompress_sum_array(bits[None, :], scales[None, :], block, dst, 1.0),
-                       repeat), None))
-    rows.append((f"1-bit decompress-sum, p={p}, / {p}", F + p * (4 * nw + 4 * nb),
+                       repeat), None)
+    row(f"1-bit decompress-sum, p={p}, / {p}", F + p * (4 * nw + 4 * nb),
                  _time(cp, lambda: gpu.onebit_decompress_sum_array(bits_p, scales_p, block, dst, float(p)),
-                       repeat), None))
-    rows.append(("2-bit compress + EF", 3 * F + F // 16,
+                       repeat), None)
+    row("2-bit compress + EF", 3 * F + F // 16,
                  _time(cp, lambda: gpu.twobit_compress_array(g, e_in, e_out, 0.5, codes, count_out=bad), repeat),
-                 None))
+                 None)
     codes_p = cp.tile(codes, (p, 1))
-    rows.append((f"2-bit decompress-sum, p={p}, / {p}", F + p * F // 16,
-                 _time(cp, lambda: gpu.twobit_decompress_sum_array(codes_p, 0.5, dst, float(p)), repeat), None))
+    row(f"2-bit decompress-sum, p={p}, / {p}", F + p * F // 16,
+                 _time(cp, lambda: gpu.twobit_decompress_sum_array(codes_p, 0.5, dst, float(p)), repeat), None)
 
-    dev = cp.cuda.Device()
-    props = cp.cuda.runtime.getDeviceProperties(dev.id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    lines = [f"GPU kernels on {name}, bucket {mb} MB float32 ({n} elements), median of {repeat} "
-             f"(cupy {cp.__version__}, CUDA runtime {cp.cuda.runtime.runtimeGetVersion()})",
-             "",
-             "| kernel | bytes moved (MB) | time (ms) | GB/s | % of D2D copy | x cupy ops |",
-             "|---|---:|---:|---:|---:|---:|"]
-    for label, nbytes, t, t_ref in rows:
-        bw = nbytes / t
-        ratio = f"{t_ref / t:.1f}" if t_ref else ""
-        lines.append(f"| {label} | {nbytes / 1e6:.0f} | {t * 1e3:.3f} | {bw / 1e9:.0f} | "
-                     f"{100 * bw / bw_copy:.0f} % | {ratio} |")
     ob_pct = 100 * (ob_bytes / t_ob) / bw_copy
-    lines += ["", f"1-bit compress + EF: {ob_pct:.0f} % of copy bandwidth (target >= 50 %), "
-              f"{t_cupy / t_ob:.1f}x the cupy version (target >= 5x): "
-              f"{'MET' if ob_pct >= 50 and t_cupy / t_ob >= 5 else 'NOT MET'}"]
+    out("")
+    out(f"1-bit compress + EF: {ob_pct:.0f} % of copy bandwidth (target >= 50 %), "
+        f"{t_cupy / t_ob:.1f}x the cupy version (target >= 5x): "
+        f"{'MET' if ob_pct >= 50 and t_cupy / t_ob >= 5 else 'NOT MET'}")
     return "\n".join(lines)
 
 
@@ -250,7 +260,7 @@ def main(argv=None):
 
     try:
         if not args.only_pipeline:
-            emit(run(args.mb, args.repeat, args.block))
+            run(args.mb, args.repeat, args.block, emit=emit)
         if args.pipeline or args.only_pipeline:
             if not args.only_pipeline:
                 emit("")

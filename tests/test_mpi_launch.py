@@ -31,7 +31,8 @@ def test_multi_rank_suite(ranks, target):
     assert mpiexec, "mpiexec not found: install the mpich extra (see README)"
     cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "pytest", target, "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", "-W", "ignore::DeprecationWarning"]
-    code, out, timed_out = run_limited(cmd, timeout=180, env=_mpi_env(), cwd=ROOT)
+    env = dict(_mpi_env(), GRADFUSE_TEST_RANKS=str(ranks))
+    code, out, timed_out = run_limited(cmd, timeout=180, env=env, cwd=ROOT)
     print(out)
     assert not timed_out, f"mpiexec -n {ranks} hung (killed after 180 s):\n{out[-4000:]}"
     assert code == 0, f"mpiexec -n {ranks} failed (exit {code}):\n{out[-6000:]}"

@@ -11,6 +11,8 @@ from gradfuse.comm.nccl import make_gpu_communicator
 
 comm = make_gpu_communicator(MPI.COMM_WORLD, device=0)
 r, p = comm.rank, comm.size
+# launched with -n 2: a world of one means mpiexec and mpi4py's MPI library do not match
+assert p == 2, f"a world of {p} rank(s) under mpiexec -n 2 ({MPI.Get_library_version().splitlines()[0]})"
 print(f"rank {r}: {comm.describe()}", flush=True)
 if cp.cuda.runtime.getDeviceCount() == 1 and p > 1:
     assert comm.kind == "host-staged", comm.kind          # ranks share the GPU
