@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Device check of the GPU path (issue 6): about 3-5 minutes on one GPU, no network. The
-# whole script keeps to GPU_CHECK_BUDGET_S (default 560 s; run it under a 600 s limit):
-# every step has its own time limit, cut to what the budget has left, and 100 s are kept
-# for the benchmark, which runs last.
+# Device check of the GPU path (issue 6): at most 5 minutes on one GPU, no network. The
+# whole script keeps to GPU_CHECK_BUDGET_S (default 300 s): every step has its own time
+# limit, cut to what the budget has left, and 100 s are kept for the benchmark, which runs
+# last. A first run on an unknown image may allow more (GPU_CHECK_BUDGET_S=560 under a
+# 600 s limit), so that nothing is cut; the last line says how long it took.
 #
 #   bash scripts/gpu_check.sh            # from the repository root, on the GPU machine
 #
@@ -34,7 +35,7 @@ PY=${PYTHON:-python3}
 LOGS=${OUT:-/tmp}
 mkdir -p "$LOGS"
 t0=$(date +%s)
-DEADLINE=$(( t0 + ${GPU_CHECK_BUDGET_S:-560} ))
+DEADLINE=$(( t0 + ${GPU_CHECK_BUDGET_S:-300} ))
 BENCH_RESERVE=100
 say() { echo "== gpu_check [$(( $(date +%s) - t0 )) s] $*"; }
 fail=0
