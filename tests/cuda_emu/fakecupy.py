@@ -256,7 +256,8 @@ class _Device:
         if int(i) != 0:
             raise RuntimeError(f"simt emulator: no device {i}")
         self.id = int(i)
-        self.attributes = {"MultiProcessorCount": 2}   # small grids: the emulator is slow
+        # small grids: the emulator is slow (GRADFUSE_EMU_SMS=132 runs an H200's grid sizes)
+        self.attributes = {"MultiProcessorCount": int(os.environ.get("GRADFUSE_EMU_SMS", "2"))}
         self.compute_capability = "90"
 
     def use(self):
