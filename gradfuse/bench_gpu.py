@@ -61,6 +61,19 @@ def cupy_onebit_ef(cp, g, e, block):
     return bits, s, e_out
 
 
+def _table_lines(emit):
+    """(lines, out): ``out(*lines)`` keeps each line and hands it to ``emit`` at once, so a
+    run cut short has already passed on the rows it finished."""
+    lines = []
+
+    def out(*new):
+        for line in new:
+            lines.append(line)
+            if emit is not None:
+                emit(line)
+    return lines, out
+
+
 def run(mb=256, repeat=20, block=512, p=4, emit=None):
     """The kernel table; each line goes to ``emit`` as soon as it is measured."""
     from . import gpu
@@ -83,22 +96,14 @@ def run(mb=256, repeat=20, block=512, p=4, emit=None):
     cnt = cp.zeros(2, cp.uint64)
     empty = cp.zeros(0, cp.float32)
     F = 4 * n
-    dev = cp.cuda.Device()
-    props = cp.cuda.runtime.getDeviceProperties(dev.id)
-    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    lines = []
-
-    def out(line):
-        lines.append(line)
-        if emit is not None:
-            emit(line)
-
-    for line in (f"GPU kernels on {name}, bucket {mb} MB float32 ({n} elements), median of {repeat} "
-                 f"(cupy {cp.__version__}, CUDA runtime {cp.cuda.runtime.runtimeGetVersion()})",
-                 "",
-                 "| kernel | bytes moved (MB) | time (ms) | GB/s | % of D2D copy | x cupy ops |",
-                 "|---|---:|---:|---:|---:|---:|"):
-        out(line)
+    props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+    gpu_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    lines, out = _table_lines(emit)
+    out(f"GPU kernels on {gpu_name}, bucket {mb} MB float32 ({n} elements), median of {repeat} "
+        f"(cupy {cp.__version__}, CUDA runtime {cp.cuda.runtime.runtimeGetVersion()})",
+        "",
+        "| kernel | bytes moved (MB) | time (ms) | GB/s | % of D2D copy | x cupy ops |",
+        "|---|---:|---:|---:|---:|---:|")
 
     def row(label, nbytes, t, t_ref):
         bw = nbytes / t
@@ -122,17 +127,17 @@ def run(mb=256, repeat=20, block=512, p=4, emit=None):
     buf8 = g.view(cp.uint8)
     hi = len(sizes)
     row("pack, 1024 tensors", 2 * F,
-                 _time(cp, lambda: gpu.pack(buf8, tp, to, tb, 0, hi), repeat), None)
+        _time(cp, lambda: gpu.pack(buf8, tp, to, tb, 0, hi), repeat), None)
     row("unpack, 1024 tensors", 2 * F,
-                 _time(cp, lambda: gpu.unpack(buf8, tp, to, tb, 0, hi), repeat), None)
+        _time(cp, lambda: gpu.unpack(buf8, tp, to, tb, 0, hi), repeat), None)
     row("unpack + divide (f32)", 2 * F,
-                 _time(cp, lambda: gpu.unpack_div_f32(buf8, tp, to, tb, 0, hi, 3.0), repeat), None)
+        _time(cp, lambda: gpu.unpack_div_f32(buf8, tp, to, tb, 0, hi, 3.0), repeat), None)
 
     for fmt, name in ((1, "fp16"), (2, "bf16")):
         row(f"cast f32 -> {name} (+counts)", F + F // 2,
-                     _time(cp, lambda: gpu.cast_to16(fmt, g, h16, 1.0, count_out=cnt), repeat), None)
+            _time(cp, lambda: gpu.cast_to16(fmt, g, h16, 1.0, count_out=cnt), repeat), None)
         row(f"cast {name} -> f32, / 3", F + F // 2,
-                     _time(cp, lambda: gpu.cast_from16(fmt, h16, dst, 3.0), repeat), None)
+            _time(cp, lambda: gpu.cast_from16(fmt, h16, dst, 3.0), repeat), None)
 
     ob_bytes = 3 * F + 4 * nw + 4 * nb
     t_ob = _time(cp, lambda: gpu.onebit_compress_array(g, e_in, e_out, block, bits, scales, count_out=bad), repeat)
@@ -140,32 +145,31 @@ def run(mb=256, repeat=20, block=512, p=4, emit=None):
     row(f"1-bit compress + EF (B={block})", ob_bytes, t_ob, t_cupy)
     row("  same math in cupy ops + packbits", ob_bytes, t_cupy, None)
     row(f"1-bit compress, no EF", F + 4 * nw + 4 * nb,
-                 _time(cp, lambda: gpu.onebit_compress_array(g, empty, empty, block, bits, scales, count_out=bad),
-                       repeat), None)
+        _time(cp, lambda: gpu.onebit_compress_array(g, empty, empty, block, bits, scales, count_out=bad),
+              repeat), None)
     for blk in (2048,):
         nb2 = -(-n // blk)
         sc2 = cp.empty(nb2, cp.float32)
         row(f"1-bit compress + EF (B={blk}, re-reading path)", 3 * F + 4 * nw + 4 * nb2,
-                     _time(cp, lambda: gpu.onebit_compress_array(g, e_in, e_out, blk, bits, sc2, count_out=bad),
-                           repeat), None)
+            _time(cp, lambda: gpu.onebit_compress_array(g, e_in, e_out, blk, bits, sc2, count_out=bad),
+                  repeat), None)
     bits_p = cp.tile(bits, (p, 1))
     scales_p = cp.tile(scales, (p, 1))
     row("1-bit decompress-sum, p=1", F + 4 * nw + 4 * nb,
-                 _time(cp, lambda: gpu.onebit_decompress_sum_array(bits[None, :], scales[None, :], block, dst, 1.0),
-                       repeat), None)
+        _time(cp, lambda: gpu.onebit_decompress_sum_array(bits[None, :], scales[None, :], block, dst, 1.0),
+              repeat), None)
     row(f"1-bit decompress-sum, p={p}, / {p}", F + p * (4 * nw + 4 * nb),
-                 _time(cp, lambda: gpu.onebit_decompress_sum_array(bits_p, scales_p, block, dst, float(p)),
-                       repeat), None)
+        _time(cp, lambda: gpu.onebit_decompress_sum_array(bits_p, scales_p, block, dst, float(p)),
+              repeat), None)
     row("2-bit compress + EF", 3 * F + F // 16,
-                 _time(cp, lambda: gpu.twobit_compress_array(g, e_in, e_out, 0.5, codes, count_out=bad), repeat),
-                 None)
+        _time(cp, lambda: gpu.twobit_compress_array(g, e_in, e_out, 0.5, codes, count_out=bad), repeat),
+        None)
     codes_p = cp.tile(codes, (p, 1))
     row(f"2-bit decompress-sum, p={p}, / {p}", F + p * F // 16,
-                 _time(cp, lambda: gpu.twobit_decompress_sum_array(codes_p, 0.5, dst, float(p)), repeat), None)
+        _time(cp, lambda: gpu.twobit_decompress_sum_array(codes_p, 0.5, dst, float(p)), repeat), None)
 
     ob_pct = 100 * (ob_bytes / t_ob) / bw_copy
-    out("")
-    out(f"1-bit compress + EF: {ob_pct:.0f} % of copy bandwidth (target >= 50 %), "
+    out("", f"1-bit compress + EF: {ob_pct:.0f} % of copy bandwidth (target >= 50 %), "
         f"{t_cupy / t_ob:.1f}x the cupy version (target >= 5x): "
         f"{'MET' if ob_pct >= 50 and t_cupy / t_ob >= 5 else 'NOT MET'}")
     return "\n".join(lines)
@@ -200,13 +204,7 @@ def run_pipeline(repeat=10, compressors=PIPELINE_COMPRESSORS, shapes=None, emit=
     rng = np.random.default_rng(0)
     set_name = "ResNet-50 gradients" if shapes is None else "gradients"
     shapes = resnet50_shapes() if shapes is None else shapes
-    lines = []
-
-    def out(line):
-        lines.append(line)
-        if emit is not None:
-            emit(line)
-
+    lines, out = _table_lines(emit)
     host = {f"g{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(shapes)}
     host_out = {k: np.empty_like(v) for k, v in host.items()}
     dev = {k: cp.asarray(v) for k, v in host.items()}
@@ -214,12 +212,11 @@ def run_pipeline(repeat=10, compressors=PIPELINE_COMPRESSORS, shapes=None, emit=
     n = sum(v.size for v in host.values())
     flat, flat2 = cp.empty(n, cp.float32), cp.empty(n, cp.float32)
     t_copy = _time(cp, lambda: cp.copyto(flat2, flat), repeat)
-    for line in (f"Pipeline step on {set_name} ({len(shapes)} float32 tensors, {n} elements, "
-                 f"{4 * n / 1e6:.0f} MB), one rank, median of {repeat}; D2D copy of the same bytes: "
-                 f"{t_copy * 1e3:.3f} ms", "",
-                 "| compressor | GPU step (ms) | host step (ms) | host / GPU | GPU step / D2D copy | same bits |",
-                 "|---|---:|---:|---:|---:|---|"):
-        out(line)
+    out(f"Pipeline step on {set_name} ({len(shapes)} float32 tensors, {n} elements, "
+        f"{4 * n / 1e6:.0f} MB), one rank, median of {repeat}; D2D copy of the same bytes: "
+        f"{t_copy * 1e3:.3f} ms", "",
+        "| compressor | GPU step (ms) | host step (ms) | host / GPU | GPU step / D2D copy | same bits |",
+        "|---|---:|---:|---:|---:|---|")
     for name in compressors:
         pd = gradfuse.Pipeline(compress=name, comm=comm)
         ph = gradfuse.Pipeline(compress=name, comm=comm)

@@ -109,26 +109,24 @@ class ndarray(np.ndarray):
 
     # get(out=) and set() as strict as cupy's (cupy/_core/core.pyx): a host numpy array of
     # exactly this dtype and shape, no casting or broadcasting
+    def _exact_host(self, arr, verb):
+        if not isinstance(arr, np.ndarray) or isinstance(arr, ndarray):
+            raise TypeError(f"Only numpy.ndarray can be {verb} cupy.ndarray")
+        if arr.dtype != self.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be {verb} {self.dtype} array")
+        if arr.shape != self.shape:
+            raise ValueError(f"Shape mismatch: this array has shape {self.shape}, the host array {arr.shape}")
+
     def get(self, stream=None, out=None):
         h = np.array(self, copy=True).view(np.ndarray)
         if out is not None:
-            if not isinstance(out, np.ndarray) or isinstance(out, ndarray):
-                raise TypeError("Only numpy.ndarray can be obtained from cupy.ndarray")
-            if out.dtype != self.dtype:
-                raise TypeError(f"{out.dtype} array cannot be obtained from {self.dtype} array")
-            if out.shape != self.shape:
-                raise ValueError(f"Shape mismatch. Expected shape: {self.shape}, actual shape: {out.shape}")
+            self._exact_host(out, "obtained from")
             out[...] = h
             return out
         return h
 
     def set(self, arr, stream=None):
-        if not isinstance(arr, np.ndarray) or isinstance(arr, ndarray):
-            raise TypeError("Only numpy.ndarray can be set to cupy.ndarray")
-        if arr.dtype != self.dtype:
-            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
-        if arr.shape != self.shape:
-            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
+        self._exact_host(arr, "set to")
         self[...] = arr
 
 
