@@ -23,12 +23,12 @@ the ranks that have not arrived and what it is waiting for; after
 import hashlib
 import json
 import struct
-import sys
 import time
 import warnings
 
 from . import config
 from .errors import MismatchError, RemoteInputError
+from .watchdog import announce_and_abort
 
 _MSG = struct.Struct("<Q16sQ")     # sequence number, request digest, step tag
 OK, MISMATCH = 0, 1
@@ -221,9 +221,7 @@ class Coordinator:
             if timeout_s and waited >= timeout_s:
                 text = ("gradfuse: stall timeout (GRADFUSE_STALL_TIMEOUT_S=%g): "
                         % timeout_s) + self._stall_message(request, missing_of, done, waited)
-                sys.stderr.write(text + "; aborting the job\n")
-                sys.stderr.flush()
-                comm.abort(1)
+                announce_and_abort(text + "; aborting the job", comm.abort, 1)
             # spin briefly (latency), then back off to at most 1 ms (CPU for compute)
             if waited > 1e-4:
                 delay = min(max(delay * 2, 2e-5), 1e-3)

@@ -51,6 +51,25 @@ import numpy as np
 
 from . import config
 
+# MPI_Abort ends the job at once, and mpiexec drops output it has not forwarded yet
+# (seen in CI: the "stall timeout" line written and flushed just before MPI_Abort never
+# reached mpiexec's stderr). A job that aborts is already lost; a second spent so that
+# the reason reaches the user is cheap.
+ABORT_GRACE_S = 1.0
+
+
+def announce_and_abort(message, abort, code=1):
+    """Flush stdout, print ``message`` to stderr, let mpiexec forward it, then ``abort(code)``."""
+    for stream, text in ((sys.stdout, None), (sys.stderr, message.rstrip("\n") + "\n")):
+        try:
+            if text:
+                stream.write(text)
+            stream.flush()
+        except Exception:                      # a closed stream must not stop the abort
+            pass
+    time.sleep(ABORT_GRACE_S)
+    abort(code)
+
 _POLL_S = 0.1            # how often the watchdog looks
 _GRACE_S = 2.0           # a collective already running when a peer left may still finish
 _CONTROL_GRACE_S = 6.0   # the control plane aborts at T (rank 0) / T + 5 (others): go after it
@@ -142,19 +161,7 @@ class _Hooks:
     def abort(self, message, code=1):
         """Print ``message`` (flushed) and end the whole job with MPI_Abort."""
         self.aborting = True
-        try:
-            sys.stdout.flush()
-        except Exception:
-            pass
-        try:
-            sys.stderr.write(message.rstrip("\n") + "\n")
-            sys.stderr.flush()
-        except Exception:
-            pass
-        # MPI_Abort kills the job at once; mpiexec can drop output that it has not
-        # forwarded yet, so give it a moment to pass the message on
-        time.sleep(0.3)
-        self.MPI.COMM_WORLD.Abort(code)
+        announce_and_abort(message, self.MPI.COMM_WORLD.Abort, code)
         os._exit(code)                         # not reached: MPI_Abort does not return
 
     # --- excepthook ------------------------------------------------------------------
