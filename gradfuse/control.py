@@ -28,7 +28,7 @@ import warnings
 
 from . import config
 from .errors import MismatchError, RemoteInputError
-from .watchdog import announce_and_abort
+from .watchdog import COORDINATOR_LEAD_S, announce_and_abort
 
 _MSG = struct.Struct("<Q16sQ")     # sequence number, request digest, step tag
 OK, MISMATCH = 0, 1
@@ -204,7 +204,7 @@ class Coordinator:
         warn_s = config.stall_warning_s()
         timeout_s = config.stall_timeout_s()
         if timeout_s and comm.rank != 0:
-            timeout_s += 5.0       # let the coordinator, which can name the culprits, go first
+            timeout_s += COORDINATOR_LEAD_S    # the coordinator, which names the culprits, goes first
         next_warn = warn_s if warn_s else None
         delay = 0.0
         while True:

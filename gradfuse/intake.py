@@ -28,15 +28,13 @@ from typing import Any, Tuple
 import numpy as np
 
 _kDLCPU, _kDLCUDA, _kDLCUDAHost, _kDLCUDAManaged = 1, 2, 3, 13
-kDLCUDA, kDLCUDAManaged = _kDLCUDA, _kDLCUDAManaged        # DLPack device types of GPU memory
-GPU_DEVICE_TYPES = (_kDLCUDA, _kDLCUDAManaged)
+GPU_DEVICE_TYPES = (_kDLCUDA, _kDLCUDAManaged)    # DLPack device types of GPU memory
 _DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT = 0, 1, 2, 4
 
 
 def is_gpu_device(dev):
     """Whether a DLPack ``(device type, id)`` (or None) is GPU memory."""
     return dev is not None and dev[0] in GPU_DEVICE_TYPES
-
 
 
 class _DLDevice(ctypes.Structure):
@@ -284,9 +282,7 @@ def cuda_interface_error(obj, name, err):
                      f"must be detached first)")
 
 
-def _from_cuda_interface(obj, name, cai=None):
-    if cai is None:
-        cai = obj.__cuda_array_interface__
+def _from_cuda_interface(obj, name, cai):
     dtype = np.dtype(cai["typestr"])
     shape = tuple(int(s) for s in cai["shape"])
     strides = cai.get("strides")

@@ -171,14 +171,6 @@ def _producer_device(obj):
     return _dlpack_device(obj) if hasattr(obj, "__dlpack__") else None
 
 
-def _dlpack_on_device(obj):
-    """True for a DLPack producer on a GPU: such tensors are read through
-    ``__dlpack__(stream=...)``, which orders the producer's work before the caller's
-    stream, even when they also have ``__cuda_array_interface__`` (PyTorch's has no
-    stream to wait for)."""
-    return intake.is_gpu_device(_producer_device(obj))
-
-
 def _on_device(obj):
     """True for GPU arrays (cupy, ``__cuda_array_interface__``, CUDA DLPack, DeviceArray)."""
     if type(obj) is np.ndarray:
@@ -213,13 +205,14 @@ def _device_arrays(objs, names, writable, cp):
             arr = obj          # cupy's own arrays: no protocol, ordered by the caller's stream
         else:
             readonly = False
-            cai = cai_error = None
+            cai = cai_error = dl_dev = None
             use_dlpack = False
             if not isinstance(obj, intake.DeviceArray):
                 # DLPack first: __dlpack__(stream=...) makes the producer order its own work
                 # (a side stream's too) before ours; __cuda_array_interface__ may carry no
                 # stream (PyTorch's is version 2) or raise (PyTorch: requires_grad)
-                use_dlpack = _dlpack_on_device(obj)
+                dl_dev = _producer_device(obj)
+                use_dlpack = intake.is_gpu_device(dl_dev)
                 if not use_dlpack:
                     cai, cai_error = intake.cuda_interface(obj)
                     if cai_error is not None:
@@ -235,7 +228,6 @@ def _device_arrays(objs, names, writable, cp):
                     # the producer makes the current stream of the tensor's device wait for
                     # its work (DLPack: 1 is the legacy default stream); the ready event is
                     # recorded on that same stream
-                    dl_dev = _dlpack_device(obj)
                     with cp.cuda.Device(dl_dev[1] if dl_dev is not None else cp.cuda.runtime.getDevice()):
                         stream = cp.cuda.get_current_stream().ptr or 1
                     capsule = intake.dlpack_capsule(obj, stream=stream)

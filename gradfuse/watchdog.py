@@ -56,6 +56,19 @@ from . import config
 # reached mpiexec's stderr). A job that aborts is already lost; a second spent so that
 # the reason reaches the user is cheap.
 ABORT_GRACE_S = 1.0
+# the control plane's stall timeout fires at T on rank 0, which names the missing ranks,
+# and at T + COORDINATOR_LEAD_S on the others, so that rank 0 speaks first
+COORDINATOR_LEAD_S = 5.0
+
+_POLL_S = 0.1            # how often the watchdog looks
+_GRACE_S = 2.0           # a collective already running when a peer left may still finish
+# the watchdog goes after the control plane: every rank's stall message is out (6 s)
+_CONTROL_GRACE_S = COORDINATOR_LEAD_S + ABORT_GRACE_S
+_TAG_GOODBYE = 11
+UNKNOWN_CODE = -(1 << 62)
+
+_hooks = None
+_install_lock = threading.Lock()
 
 
 def announce_and_abort(message, abort, code=1):
@@ -69,15 +82,6 @@ def announce_and_abort(message, abort, code=1):
             pass
     time.sleep(ABORT_GRACE_S)
     abort(code)
-
-_POLL_S = 0.1            # how often the watchdog looks
-_GRACE_S = 2.0           # a collective already running when a peer left may still finish
-_CONTROL_GRACE_S = 6.0   # the control plane aborts at T (rank 0) / T + 5 (others): go after it
-_TAG_GOODBYE = 11
-UNKNOWN_CODE = -(1 << 62)
-
-_hooks = None
-_install_lock = threading.Lock()
 
 
 def hooks_enabled(install_hooks=None):
