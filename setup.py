@@ -31,7 +31,7 @@ if debug:
 ext = Extension(
     "gradfuse._core",
     ["gradfuse/_core.pyx"],
-    include_dirs=["gradfuse"],
+    include_dirs=["gradfuse/kernels"],
     extra_compile_args=cflags,
 )
 

@@ -250,6 +250,6 @@ def _init_simd_from_env():
 _init_simd_from_env()
 
 # Compressor kernels, one include per family (each with a numpy twin in tests/).
-include "_cast.pxi"
-include "_quant.pxi"
-include "_sparse.pxi"
+include "kernels/_cast.pxi"
+include "kernels/_quant.pxi"
+include "kernels/_sparse.pxi"

@@ -34,8 +34,8 @@ import pickle
 import numpy as np
 
 from . import dtypes as _dt
-from . import runtime
-from .control import Request
+from .runtime import context as runtime
+from .runtime.control import Request
 
 REDUCE_OPS = ("sum", "average", "min", "max", "prod")
 

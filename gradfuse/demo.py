@@ -23,18 +23,20 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     from mpi4py import MPI
-    import gradfuse
-    from gradfuse.bench import SETS, make_set
+    from ._version import __version__
+    from .bench.sets import SETS, make_set
+    from .pipeline import Pipeline
+    from .runtime import context
 
     world = MPI.COMM_WORLD
-    gradfuse.init()
-    rank, size = gradfuse.rank(), gradfuse.size()
+    context.init()
+    rank, size = context.rank(), context.size()
     shapes = SETS[args.set]()
     names = [f"grad{i}" for i in range(len(shapes))]
-    pipe = gradfuse.Pipeline(compress=args.compress, fusion_threshold=args.threshold, average=True)
+    pipe = Pipeline(compress=args.compress, fusion_threshold=args.threshold, average=True)
     if rank == 0:
         total = sum(int(np.prod(s)) for s in shapes)
-        print(f"gradfuse {gradfuse.__version__}: {size} rank(s), {len(shapes)} tensors "
+        print(f"gradfuse {__version__}: {size} rank(s), {len(shapes)} tensors "
               f"({args.set}, {total / 1e6:.1f} M float32 = {total * 4 / 1e6:.1f} MB), {pipe!r}")
     worst = 0.0
     times = []

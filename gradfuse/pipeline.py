@@ -32,16 +32,18 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import _core, config, intake, runtime
+from . import _core, config
+from .fusion import intake
+from .runtime import context as runtime
 from . import compressors as _compressors
 from . import dtypes as _dt
-from .backend import HOST, CudaBackend
+from .fusion.backend import HOST, CudaBackend
 from .compressors.base import BucketContext
-from .control import Request
+from .runtime.control import Request
 from .errors import NonFiniteError
-from .plan import FusionPlan, parse_signature
-from .reduce import JOBS, ring_bytes, twophase_chunk
-from .state import CompressionState
+from .fusion.plan import FusionPlan, parse_signature
+from .compressors.exchange import JOBS, ring_bytes, twophase_chunk
+from .compressors.state import CompressionState
 
 _F32 = _dt.CODE[np.dtype(np.float32)]
 _PLAN_CACHE = 8

@@ -17,7 +17,7 @@
 # too): kernels, the nvcc/NVRTC checks, communicators, the Pipeline on cupy arrays (1 rank,
 # and 2 ranks under mpiexec: host-staged, since NCCL refuses two ranks on one GPU), the
 # example on the GPU; 3) the kernel benchmark on a 256 MB bucket and Pipeline steps on
-# ResNet-50, GPU vs host (python -m gradfuse.bench_gpu --pipeline), markdown on stdout and
+# ResNet-50, GPU vs host (python -m gradfuse.bench gpu --pipeline), markdown on stdout and
 # in $OUT/gpu_bench.md, written row by row. Logs go to $OUT (or /tmp). Exit status:
 # non-zero if any step failed or did not run; every step runs regardless.
 set -uo pipefail

@@ -13,7 +13,7 @@ import ctypes
 
 import numpy as np
 
-from gradfuse import intake
+from gradfuse.fusion import intake
 
 kDLCPU, kDLCUDA = 1, 2
 READ_ONLY = intake.DLPACK_FLAG_BITMASK_READ_ONLY

@@ -1,4 +1,4 @@
-"""Pure-numpy definition of the fp16 / bf16 cast kernels (gradfuse/_cast.pxi).
+"""Pure-numpy definition of the fp16 / bf16 cast kernels (gradfuse/kernels/_cast.pxi).
 
 Everything works on bit patterns: fp16 and bf16 values are uint16 arrays, float32
 values are float32 arrays (compare them through ``.view(np.uint32)``).

@@ -1,4 +1,4 @@
-"""Pure-numpy definition of the top-k / random-k kernels (gradfuse/_sparse.pxi).
+"""Pure-numpy definition of the top-k / random-k kernels (gradfuse/kernels/_sparse.pxi).
 
 Straightforward and vectorised: selection by a stable sort (O(n log n), fine for
 tests), float32 arithmetic throughout. The kernels must match these bit for bit.

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from gradfuse import _core
-from gradfuse.plan import aligned_empty
+from gradfuse.fusion.plan import aligned_empty
 
 
 def table(arrays):

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import gradfuse
-from gradfuse import config, watchdog
+from gradfuse import config
+from gradfuse.runtime import watchdog
 from gradfuse.comm import SingleProcessCommunicator
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

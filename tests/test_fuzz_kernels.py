@@ -19,7 +19,7 @@ import ref_sparse  # noqa: E402
 from fuzz_common import COUNTS, KINDS, fuzz_settings, seeds, sizes, values  # noqa: E402
 
 import gradfuse._core as core  # noqa: E402
-from gradfuse.plan import aligned_empty  # noqa: E402
+from gradfuse.fusion.plan import aligned_empty  # noqa: E402
 
 F32 = np.float32
 AVX2 = core.simd_info()["cpu_avx2_f16c"]

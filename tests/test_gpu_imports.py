@@ -7,7 +7,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_importing_gradfuse_and_gpu_modules_does_not_import_cupy():
-    code = ("import sys, gradfuse, gradfuse.gpu, gradfuse.bench_gpu, gradfuse.comm.nccl\n"
+    code = ("import sys, gradfuse, gradfuse.gpu, gradfuse.bench.gpu, gradfuse.comm.nccl\n"
             "from gradfuse.comm import make_gpu_communicator\n"
             "assert 'cupy' not in sys.modules, 'cupy was imported'\n"
             "print('ok')\n")

@@ -140,7 +140,7 @@ def test_gpu_dlpack_capsule_and_producer(cp, comm, versioned):
     pipe = gradfuse.Pipeline(comm=comm, average=False)
     a = cp.asarray(np.arange(6, dtype=np.float32))
     cap, rec = _capsule(cp, a, versioned)
-    assert gradfuse.intake.capsule_device(cap) == (2, a.device.id)
+    assert gradfuse.fusion.intake.capsule_device(cap) == (2, a.device.id)
     out = pipe.allreduce_([cap], names=["cap"])
     assert a.get().tolist() == list(range(6)) and len(out) == 1
     assert capsule_name(cap) == ("used_dltensor_versioned" if versioned else "used_dltensor")
@@ -278,7 +278,7 @@ def test_gpu_cuda_array_interface_that_raises(cp, comm):
 
 def test_gpu_one_device_per_rank(cp, comm):
     """A second device on the same communicator is refused before the ranks agree."""
-    from gradfuse import runtime
+    from gradfuse.runtime import context as runtime
     pipe = gradfuse.Pipeline(comm=comm)
     pipe.allreduce({"a": cp.ones(2, cp.float32)})
     ctx = runtime.context(comm)
@@ -360,7 +360,7 @@ def test_gpu_bench_runs_and_streams_its_rows(cp, tmp_path, monkeypatch, capsys):
     """The device check's benchmark, small: every kernel row and every Pipeline row is
     made, each Pipeline row says the GPU and host steps gave the same bits, and the file
     is written as rows come (a run cut short by a time limit keeps what it finished)."""
-    from gradfuse import bench_gpu
+    from gradfuse.bench import gpu as bench_gpu
     lines = []
     table = bench_gpu.run_pipeline(repeat=1, compressors=("none", "1bit", "topk"),
                                    shapes=[(300,), (17, 5), (1000,)], emit=lines.append)

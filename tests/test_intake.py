@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import gradfuse
-from gradfuse import intake, pipeline
+from gradfuse import pipeline
+from gradfuse.fusion import intake
 from gradfuse.comm import SingleProcessCommunicator
 
 sys.path.insert(0, os.path.dirname(__file__))

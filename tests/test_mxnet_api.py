@@ -13,7 +13,7 @@ pytest.importorskip("mpi4py")
 from mxnet import autograd, gluon  # noqa: E402
 
 import gradfuse.mxnet as hvd  # noqa: E402
-from gradfuse import intake  # noqa: E402
+from gradfuse.fusion import intake  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from gradfuse import config
-from gradfuse.plan import FusionPlan
+from gradfuse.fusion.plan import FusionPlan
 
 F32, F64 = 2, 3
 

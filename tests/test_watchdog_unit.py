@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import gradfuse
-from gradfuse import engine, watchdog
+from gradfuse.runtime import engine, watchdog
 from gradfuse.comm import SingleProcessCommunicator
 
 

@@ -12,7 +12,7 @@ import pytest
 import gradfuse
 from gradfuse.compressors import BucketContext, create
 from gradfuse.errors import NonFiniteError
-from gradfuse.reduce import twophase_chunk
+from gradfuse.compressors.exchange import twophase_chunk
 
 ONE_BUCKET = 1 << 30          # every float32 tensor in one bucket, so the reference is simple
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import gradfuse
-from gradfuse.control import StallWarning
+from gradfuse.runtime.control import StallWarning
 
 
 def f32(*shape):

@@ -37,6 +37,7 @@ if PLAIN:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 else:
     import gradfuse
+    import gradfuse.runtime.context
     gradfuse.init()
     pipe = gradfuse.Pipeline(average=False)
 
@@ -67,7 +68,7 @@ def die():
 
 def raw_allreduce(x):
     """A data-plane collective run on the communication thread, with no negotiation first."""
-    ctx = gradfuse.runtime.default_context()
+    ctx = gradfuse.runtime.context.default_context()
     return ctx.engine.submit(lambda: ctx.comm.allreduce_inplace(x), "raw-allreduce").wait()
 
 

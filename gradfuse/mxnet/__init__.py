@@ -44,12 +44,12 @@ import mxnet as mx
 import numpy as np
 from mxnet.base import _LIB, MXNetError, check_call
 
-from . import collectives as _coll
-from . import intake as _intake
-from . import runtime as _runtime
-from .control import Request
-from .errors import MismatchError, RemoteInputError
-from .pipeline import Pipeline
+from .. import collectives as _coll
+from ..fusion import intake as _intake
+from ..runtime import context as _runtime
+from ..runtime.control import Request
+from ..errors import MismatchError, RemoteInputError
+from ..pipeline import Pipeline
 
 __all__ = [
     "init", "shutdown", "is_initialized", "rank", "size", "local_rank", "local_size",
@@ -1121,7 +1121,7 @@ class _Reducer:
 
     def stats(self):
         """The counters of all bucket pipelines, summed."""
-        from .pipeline import Stats
+        from ..pipeline import Stats
         total = Stats()
         for p in self.pipelines:
             for f in Stats.FIELDS:

@@ -49,7 +49,7 @@ import traceback
 
 import numpy as np
 
-from . import config
+from .. import config
 
 # MPI_Abort ends the job at once, and mpiexec drops output it has not forwarded yet
 # (seen in CI: the "stall timeout" line written and flushed just before MPI_Abort never
@@ -183,7 +183,7 @@ class _Hooks:
 
     # --- the watchdog thread ---------------------------------------------------------
     def _contexts(self):
-        from . import runtime
+        from . import context as runtime
         seen, out = set(), []
         try:
             entries = list(runtime._contexts.values())

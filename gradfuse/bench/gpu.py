@@ -1,6 +1,6 @@
 """GPU kernel benchmark: GB/s beside a device-to-device copy of the same bytes, in one run.
 
-    python -m gradfuse.bench_gpu [--mb 256] [--repeat 20] [--out gpu_bench.md]
+    python -m gradfuse.bench gpu [--mb 256] [--repeat 20] [--out gpu_bench.md]
 
 Every kernel runs on a bucket of ``--mb`` MB of float32 (default 256 MB, 64 Mi elements)
 and is timed with CUDA events (median of ``--repeat`` runs after warm-up). "GB/s" counts
@@ -76,7 +76,7 @@ def _table_lines(emit):
 
 def run(mb=256, repeat=20, block=512, p=4, emit=None):
     """The kernel table; each line goes to ``emit`` as soon as it is measured."""
-    from . import gpu
+    from .. import gpu
     if not gpu.available():
         raise SystemExit("bench_gpu: no CUDA device visible to cupy")
     cp = gpu.cupy()
@@ -195,10 +195,10 @@ def run_pipeline(repeat=10, compressors=PIPELINE_COMPRESSORS, shapes=None, emit=
     (``allreduce`` into preallocated outputs; every GPU step ends with a stream
     synchronize). Each table line goes to ``emit`` as soon as it is measured, so a run
     cut short keeps the rows it finished; returns the whole table."""
-    import gradfuse
-    from .bench import resnet50_shapes
-    from .comm.single import SingleProcessCommunicator
-    from . import gpu
+    from ..pipeline import Pipeline
+    from .sets import resnet50_shapes
+    from ..comm.single import SingleProcessCommunicator
+    from .. import gpu
     cp = gpu.cupy()
     comm = SingleProcessCommunicator()
     rng = np.random.default_rng(0)
@@ -218,13 +218,13 @@ def run_pipeline(repeat=10, compressors=PIPELINE_COMPRESSORS, shapes=None, emit=
         "| compressor | GPU step (ms) | host step (ms) | host / GPU | GPU step / D2D copy | same bits |",
         "|---|---:|---:|---:|---:|---|")
     for name in compressors:
-        pd = gradfuse.Pipeline(compress=name, comm=comm)
-        ph = gradfuse.Pipeline(compress=name, comm=comm)
+        pd = Pipeline(compress=name, comm=comm)
+        ph = Pipeline(compress=name, comm=comm)
         t_dev = _wall(lambda: pd.allreduce(dev, out=dev_out), repeat)
         t_host = _wall(lambda: ph.allreduce(host, out=host_out), max(3, repeat // 3))
         # both pipelines ran the same number of steps on the same gradients? compare one more
-        pd2 = gradfuse.Pipeline(compress=name, comm=comm)
-        ph2 = gradfuse.Pipeline(compress=name, comm=comm)
+        pd2 = Pipeline(compress=name, comm=comm)
+        ph2 = Pipeline(compress=name, comm=comm)
         a = pd2.allreduce(dev)
         b = ph2.allreduce(host)
         same = all(np.array_equal(a[k].get().view(np.uint32), b[k].view(np.uint32)) for k in host)
@@ -234,7 +234,7 @@ def run_pipeline(repeat=10, compressors=PIPELINE_COMPRESSORS, shapes=None, emit=
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m gradfuse.bench gpu", description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--block", type=int, default=512)

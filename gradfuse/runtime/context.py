@@ -2,7 +2,7 @@
 communication thread (``Engine``) and control plane (``Coordinator``)."""
 import threading
 
-from .comm.base import Communicator
+from ..comm.base import Communicator
 from .control import Coordinator
 from .engine import Engine
 
@@ -28,14 +28,14 @@ def _wrap(comm):
     if isinstance(comm, Communicator):
         return comm
     if comm is None:
-        from .comm.mpi import MPICommunicator
+        from ..comm.mpi import MPICommunicator
         return MPICommunicator()
     try:
         from mpi4py import MPI
     except ImportError:
         MPI = None
     if MPI is not None and isinstance(comm, MPI.Intracomm):
-        from .comm.mpi import MPICommunicator
+        from ..comm.mpi import MPICommunicator
         return MPICommunicator(comm)
     raise TypeError(f"comm must be a gradfuse Communicator or an mpi4py Intracomm, got {type(comm).__name__}")
 
@@ -52,7 +52,8 @@ def init(comm=None, install_hooks=None):
             None (default) reads ``GRADFUSE_HOOKS`` (unset or 1: yes, 0: no).
     """
     global _default
-    from . import config, watchdog
+    from .. import config
+    from . import watchdog
     config.validate()
     hooks = watchdog.hooks_enabled(install_hooks)
     with _lock:
@@ -92,3 +93,37 @@ def _context_locked(comm):
         entry = (comm, Context(_wrap(comm)))
         _contexts[id(comm)] = entry
     return entry[1]
+
+
+def _comm():
+    return default_context().comm
+
+
+def rank():
+    """This process's rank in the default communicator (after ``init()``)."""
+    return _comm().rank
+
+
+def size():
+    """Number of ranks in the default communicator."""
+    return _comm().size
+
+
+def local_rank():
+    """Rank among the processes on this host (split by shared memory)."""
+    return _comm().local_rank
+
+
+def local_size():
+    """Number of processes on this host."""
+    return _comm().local_size
+
+
+def cross_rank():
+    """Index of this host among hosts (ranks with the same local rank)."""
+    return _comm().cross_rank
+
+
+def cross_size():
+    """Number of hosts (ranks with the same local rank)."""
+    return _comm().cross_size

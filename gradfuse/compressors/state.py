@@ -15,7 +15,7 @@ import warnings
 
 import numpy as np
 
-from .backend import HOST, to_host
+from ..fusion.backend import HOST, to_host
 
 FORMAT = "gradfuse-state-1"
 

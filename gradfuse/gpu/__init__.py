@@ -38,12 +38,12 @@ import numpy as np
 # (the repository root on sys.path), it would shadow NVIDIA's `cuda` namespace
 # (cuda.pathfinder, cuda.bindings), and cupy 14 could not be imported.
 try:
-    from . import cuda as _cuda
+    from .. import cuda as _cuda
     _PKG_DIRS = [str(d) for d in _cuda.__path__]
 except ImportError:                        # a source checkout built in place
     _PKG_DIRS = []
 
-_CUDA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cuda")
+_CUDA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "cuda")
 
 
 def _checkout_file(name):
@@ -816,7 +816,7 @@ def sparse_decompress_sum(values, indices, ptrs, offsets, counts, lo, hi, diviso
 # ------------------------------------------------------------------ sparse compress (top-k / random-k selection)
 #
 # GPU twins of _core.topk_compress(_array), randomk_indices, randomk_compress(_array)
-# (gradfuse/_sparse.pxi): same arguments, same bits, same count. The radix select of
+# (gradfuse/kernels/_sparse.pxi): same arguments, same bits, same count. The radix select of
 # cuda/sparse.cu (docs/gpu.md): level 1 fused into the pass that makes c (top-k) or a
 # hash pass (random-k), two more digit levels, then a tile count, a scan and an ordered
 # write. Nothing here synchronises except reading the count when count_out is None.

@@ -12,8 +12,8 @@ and upload them per call, so the same plan serves both paths.
 """
 import numpy as np
 
-from . import _core
-from . import dtypes as _dt
+from .. import _core
+from .. import dtypes as _dt
 from .plan import aligned_empty
 
 _F32 = _dt.CODE[np.dtype(np.float32)]
@@ -121,7 +121,7 @@ class CudaBackend:
     device = "cuda"
 
     def __init__(self, device_id):
-        from . import gpu
+        from .. import gpu
         self.device_id = int(device_id)
         self.kernels = gpu
         self.xp = cp = gpu.cupy()

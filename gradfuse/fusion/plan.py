@@ -22,7 +22,7 @@ stays the same, a step reuses the plan, its tables and its fusion buffers.
 """
 import numpy as np
 
-from . import dtypes as _dt
+from .. import dtypes as _dt
 
 ALIGN = 64
 

@@ -26,8 +26,8 @@ import struct
 import time
 import warnings
 
-from . import config
-from .errors import MismatchError, RemoteInputError
+from .. import config
+from ..errors import MismatchError, RemoteInputError
 from .watchdog import COORDINATOR_LEAD_S, announce_and_abort
 
 _MSG = struct.Struct("<Q16sQ")     # sequence number, request digest, step tag

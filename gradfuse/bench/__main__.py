@@ -1,0 +1,40 @@
+"""``python -m gradfuse.bench WHAT``: see ``gradfuse.bench``."""
+import argparse
+import sys
+
+from . import __doc__ as _DOC
+from .sets import SETS
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m gradfuse.bench", description=_DOC,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["fusion", "compress", "allreduce", "threshold", "collectives", "gpu"])
+    ap.add_argument("--rounds", type=int, default=None, help="rounds per method (default 20; fusion 15)")
+    ap.add_argument("--sets", default="resnet50,small", help="comma-separated: resnet50, small")
+    ap.add_argument("--no-horovod", action="store_true", help="leave Horovod out even if installed")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["gpu"]:
+        from .gpu import main as gpu_main      # its own options: python -m gradfuse.bench gpu --help
+        return gpu_main(argv[1:])
+    args = ap.parse_args(argv)
+    sets = [s for s in args.sets.split(",") if s]
+    for s in sets:
+        if s not in SETS:
+            ap.error(f"unknown set {s!r}; choose from {', '.join(SETS)}")
+    from .allreduce import bench_allreduce, bench_collectives, bench_threshold
+    from .kernels import bench_compress, bench_fusion
+    if args.what == "fusion":
+        bench_fusion(args.rounds or 15)
+    elif args.what == "compress":
+        bench_compress(args.rounds or 7)
+    elif args.what == "allreduce":
+        bench_allreduce(args.rounds or 20, sets, with_horovod=not args.no_horovod)
+    elif args.what == "collectives":
+        bench_collectives(args.rounds or 10, sets)
+    else:
+        bench_threshold(args.rounds or 10, sets)
+
+
+if __name__ == "__main__":
+    main()

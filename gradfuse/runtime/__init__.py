@@ -1,0 +1,2 @@
+"""The process-wide runtime: one context (communication thread and control plane) per
+communicator, the agreement protocol, the watchdog and the timeline."""
