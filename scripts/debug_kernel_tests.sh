@@ -5,11 +5,11 @@
 #
 #   scripts/debug_kernel_tests.sh [extra pytest args]
 #
-# PYTHON selects the interpreter (default: python3 next to mpiexec in the dev venv, else
-# python3). Exit status: pytest's.
+# PYTHON selects the interpreter (default: the checkout's .venv/bin/python, as README sets it
+# up, else python3). Exit status: pytest's.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PYTHON="${PYTHON:-$( [ -x /work/devenv/venv/bin/python ] && echo /work/devenv/venv/bin/python || echo python3)}"
+PYTHON="${PYTHON:-$( [ -x "$ROOT/.venv/bin/python" ] && echo "$ROOT/.venv/bin/python" || echo python3)}"
 TMP="$(mktemp -d "${TMPDIR:-/tmp}/gradfuse-debug.XXXXXX")"
 trap 'rm -rf "$TMP"' EXIT
 # copy the sources only (no built .so, no generated .c: cythonize must regenerate them)

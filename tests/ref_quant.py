@@ -1,6 +1,6 @@
 """Numpy reference of the 1-bit and 2-bit quantization kernels (the definition of the math).
 
-All arithmetic is float32, in the canonical order of docs/compressors_quant.md.
+All arithmetic is float32, in the canonical order of docs/compressors.md ("Quantizing compressors").
 """
 import functools
 

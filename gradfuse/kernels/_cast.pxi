@@ -2,7 +2,7 @@
 #
 # fmt codes: 1 = fp16 (IEEE binary16), 2 = bf16. The math (rounding, NaN rules,
 # overflow/underflow counting, summation rule) is defined in _cast.h and
-# docs/compressors_cast.md; tests/ref_cast.py is its numpy twin.
+# docs/compressors.md ("fp16 / bf16 cast compressors"); tests/ref_cast.py is its numpy twin.
 
 cdef extern from "_cast.h" nogil:
     void gf_cast_to16(int fmt, const float* src, uint16_t* dst, int64_t n,

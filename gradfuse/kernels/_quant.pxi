@@ -1,6 +1,6 @@
 # Kernels: 1-bit and 2-bit quantization with error feedback. Included by _core.pyx.
 #
-# Formats, math and reduction order: docs/compressors_quant.md. Numpy twins (the
+# Formats, math and reduction order: docs/compressors.md ("Quantizing compressors"). Numpy twins (the
 # definition of the math): tests/ref_quant.py.
 from libc.stdint cimport uint32_t
 

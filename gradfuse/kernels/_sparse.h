@@ -1,5 +1,5 @@
 /*
- * Top-k and random-k sparsification kernels (see docs/compressors_sparse.md).
+ * Top-k and random-k sparsification kernels (see docs/compressors.md ("Sparse compressors")).
  *
  * Everything here is integer selection logic plus one float32 add per element
  * (c = g + e) and float32 adds/divides on decompress, so the scalar and AVX2 paths

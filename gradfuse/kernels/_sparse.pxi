@@ -1,5 +1,5 @@
 # Kernels: top-k and random-k sparsification. Included by _core.pyx.
-# Math, layouts and orders: docs/compressors_sparse.md; numpy twin: tests/ref_sparse.py.
+# Math, layouts and orders: docs/compressors.md ("Sparse compressors"); numpy twin: tests/ref_sparse.py.
 from libc.stdint cimport uint32_t, uint64_t
 
 cdef extern from "_sparse.h" nogil:
