@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import gradfuse
-from gradfuse import pipeline
+from gradfuse.fusion import tables
 from gradfuse.fusion import intake
 from gradfuse.comm import SingleProcessCommunicator
 
@@ -256,11 +256,11 @@ def test_cuda_interface_that_raises_is_named_or_falls_back_on_dlpack():
     with pytest.raises(TypeError, match=r"tensor 'g': reading the __cuda_array_interface__ of .*RaisingCAI "
                                         r"raised RuntimeError: Can't get"):
         intake.as_array(RaisingCAI(), "g")
-    assert pipeline._on_device(RaisingCAI())
+    assert tables.on_device(RaisingCAI())
     a = np.arange(3, dtype=np.float32)
     p = RaisingCAIWithDLPack(a)
     assert intake.as_array(p, "g").ctypes.data == a.ctypes.data
-    assert not pipeline._on_device(p)          # its DLPack device says host
+    assert not tables.on_device(p)          # its DLPack device says host
 
 
 def test_unknown_object_error_names_tensor():

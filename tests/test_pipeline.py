@@ -7,7 +7,7 @@ import pytest
 
 import gradfuse
 from gradfuse.comm import SingleProcessCommunicator
-from gradfuse.pipeline import check_overlaps
+from gradfuse.fusion.tables import check_overlaps
 from helpers import random_set
 
 

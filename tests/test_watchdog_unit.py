@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import gradfuse
-from gradfuse.runtime import engine, watchdog
+from gradfuse.runtime import abort, engine, watchdog
 from gradfuse.comm import SingleProcessCommunicator
 
 
@@ -42,10 +42,10 @@ def test_engine_records_the_job_in_flight():
 def test_abort_prints_flushes_and_waits_before_aborting(monkeypatch, capsys):
     """The reason is on stderr and mpiexec has had ABORT_GRACE_S to forward it before MPI_Abort."""
     events = []
-    monkeypatch.setattr(watchdog.time, "sleep", lambda s: events.append(("sleep", s)))
-    watchdog.announce_and_abort("gradfuse: stall timeout: waiting for rank 1", lambda c: events.append(("abort", c)), 3)
+    monkeypatch.setattr(abort.time, "sleep", lambda s: events.append(("sleep", s)))
+    abort.announce_and_abort("gradfuse: stall timeout: waiting for rank 1", lambda c: events.append(("abort", c)), 3)
     assert capsys.readouterr().err == "gradfuse: stall timeout: waiting for rank 1\n"
-    assert events == [("sleep", watchdog.ABORT_GRACE_S), ("abort", 3)] and watchdog.ABORT_GRACE_S >= 1.0
+    assert events == [("sleep", abort.ABORT_GRACE_S), ("abort", 3)] and abort.ABORT_GRACE_S >= 1.0
 
 
 def test_abort_still_aborts_when_stderr_is_closed(monkeypatch):
@@ -56,8 +56,8 @@ def test_abort_still_aborts_when_stderr_is_closed(monkeypatch):
         def flush(self):
             raise ValueError("I/O operation on closed file")
     codes = []
-    monkeypatch.setattr(watchdog.sys, "stderr", Closed())
-    monkeypatch.setattr(watchdog.sys, "stdout", Closed())
-    monkeypatch.setattr(watchdog.time, "sleep", lambda s: None)
-    watchdog.announce_and_abort("x", codes.append, 1)
+    monkeypatch.setattr(abort.sys, "stderr", Closed())
+    monkeypatch.setattr(abort.sys, "stdout", Closed())
+    monkeypatch.setattr(abort.time, "sleep", lambda s: None)
+    abort.announce_and_abort("x", codes.append, 1)
     assert codes == [1]

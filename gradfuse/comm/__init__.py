@@ -1,6 +1,7 @@
-"""Communicators: MPI (mpi4py), single-process, and (GPU issue) NCCL.
+"""Communicators: MPI (mpi4py), single-process, NCCL and host-staged MPI for GPU buffers.
 
-Each one implements ``gradfuse.comm.base.Communicator``.
+Each one implements ``gradfuse.comm.base.Communicator`` and says which memory its data
+plane carries (``devices``: ``"cpu"``, ``"cuda"``).
 """
 from .base import Communicator
 from .single import SingleProcessCommunicator
@@ -12,9 +13,12 @@ def __getattr__(name):
         from .mpi import MPICommunicator
         return MPICommunicator
     # cupy is imported only when a GPU communicator is asked for
-    if name in ("NCCLCommunicator", "HostStagedCommunicator", "make_gpu_communicator"):
+    if name in ("NCCLCommunicator", "make_gpu_communicator"):
         from . import nccl
         return getattr(nccl, name)
+    if name == "HostStagedCommunicator":
+        from .staged import HostStagedCommunicator
+        return HostStagedCommunicator
     raise AttributeError(name)
 
 

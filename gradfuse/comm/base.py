@@ -6,7 +6,10 @@ Data plane (called from gradfuse's communication thread only):
     ``allreduce_inplace(arr)`` sums a contiguous numpy array across ranks in place;
     ``allreduce(src, dst)`` sums ``src`` into ``dst``.
 
-Control plane (used by ``gradfuse.control.Coordinator``): small non-blocking
+Devices: ``devices`` names the memory the data plane takes (``"cpu"``: numpy arrays,
+``"cuda"``: device buffers); a GPU communicator serves one GPU, ``device``.
+
+Control plane (used by ``gradfuse.runtime.control.Coordinator``): small non-blocking
 point-to-point messages and a broadcast, each returning a request that ``test``
 polls, so that the coordinator can time out and name the ranks that never arrived.
 """
@@ -17,6 +20,8 @@ class Communicator(ABC):
     """Abstract communicator: rank/size queries, a sum-allreduce, a control channel."""
 
     kind = "abstract"
+    devices = ("cpu",)      # the memory its data plane carries: "cpu" and/or "cuda"
+    device = None           # the one GPU a device communicator serves
 
     rank: int
     size: int
@@ -95,6 +100,10 @@ class Communicator(ABC):
     @abstractmethod
     def test(request) -> bool:
         """True when ``request`` has completed (never blocks)."""
+
+    def carries(self, device):
+        """Whether the data plane takes buffers in ``device`` memory ("cpu" or "cuda")."""
+        return device in self.devices
 
     def abort(self, code=1):
         """Terminate the whole job (all ranks)."""

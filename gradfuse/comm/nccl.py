@@ -1,11 +1,12 @@
-"""NCCL communicator over ``cupy.cuda.nccl``, and the host-staged MPI fallback.
+"""NCCL communicator over ``cupy.cuda.nccl``, and the choice between it and the
+host-staged MPI fallback (``gradfuse.comm.staged``).
 
 Data plane: device buffers (cupy arrays, anything with ``__cuda_array_interface__``, or
-``gradfuse.intake.DeviceArray``), contiguous. Every call is blocking, like the MPI
+``gradfuse.fusion.intake.DeviceArray``), contiguous. Every call is blocking, like the MPI
 communicator's: the NCCL operation is enqueued on the communicator's stream after the
 caller's current stream (an event makes it wait for the producer of the data), and the
 call returns when it has completed. The control plane (small host messages of
-``gradfuse.control``) is delegated to an ``MPICommunicator``; the NCCL unique id is
+``gradfuse.runtime.control``) is delegated to an ``MPICommunicator``; the NCCL unique id is
 broadcast over that same MPI communicator.
 
 ``make_gpu_communicator()`` picks NCCL when it can, else ``HostStagedCommunicator``
@@ -19,16 +20,15 @@ defaults to ``sum16="exact"``: allgather, then the ``gf_sum16`` kernel folds the
 rank order with the CPU's rounding and NaN rules, so every rank gets the same bits and
 they follow docs/compressors.md. ``sum16="nccl"`` uses NCCL's native half/bfloat16 sum
 (faster at large p, NaN payloads and rounding order not guaranteed).
-
-Nothing here has run on a GPU yet (see docs/gpu.md).
 """
 import atexit
-import warnings
 import weakref
 
 import numpy as np
 
-from .base import Communicator
+from .device import DeviceCommunicator, as_bytes, as_device, cupy
+from .mpi import MPICommunicator
+from .staged import HostStagedCommunicator
 
 # NCCL's enums (nccl.h); cupy exposes them as NCCL_* too, used when present.
 _NCCL_DTYPES = {"int8": 0, "uint8": 1, "int32": 2, "uint32": 3, "int64": 4, "uint64": 5,
@@ -47,68 +47,15 @@ def _const(nccl, name, table, key):
     return getattr(nccl, name, table[key])
 
 
-def _cupy():
-    from .. import gpu
-    return gpu.cupy()
+def _nccl_module():
+    from cupy.cuda import nccl
+    if not getattr(nccl, "available", False):
+        raise ImportError("cupy.cuda.nccl is not available (no NCCL library)")
+    return nccl
 
 
-def as_device(obj):
-    """A cupy array viewing ``obj`` (cupy array, ``__cuda_array_interface__``, DeviceArray),
-    without copying."""
-    cp = _cupy()
-    if isinstance(obj, cp.ndarray):
-        arr = obj
-    elif hasattr(obj, "__cuda_array_interface__"):
-        arr = cp.asarray(obj)
-    elif hasattr(obj, "ptr") and hasattr(obj, "dtype") and hasattr(obj, "shape"):   # intake.DeviceArray
-        nbytes = int(np.prod(obj.shape, dtype=np.int64)) * np.dtype(obj.dtype).itemsize
-        # device -1 (from __cuda_array_interface__, which names none): cupy looks up the
-        # pointer's own device, as cupy.asarray does; a null pointer needs an explicit one
-        dev = obj.device_id if obj.device_id >= 0 else (-1 if obj.ptr else cp.cuda.runtime.getDevice())
-        mem = cp.cuda.UnownedMemory(int(obj.ptr), nbytes, obj.owner, dev)
-        arr = cp.ndarray(obj.shape, obj.dtype, cp.cuda.MemoryPointer(mem, 0))
-    else:
-        raise TypeError(f"expected a device array, got {type(obj).__module__}.{type(obj).__qualname__}")
-    if not arr.flags.c_contiguous:
-        raise ValueError("device buffers must be C-contiguous")
-    return arr
-
-
-def _bytes(arr):
-    return arr.reshape(-1).view(np.uint8)
-
-
-class _GPUComm(Communicator):
-    """Shared part: ranks and the control plane come from an MPI communicator."""
-
-    def _init_control(self, mpi_comm):
-        from .mpi import MPICommunicator
-        self.mpi = mpi_comm if isinstance(mpi_comm, MPICommunicator) else MPICommunicator(mpi_comm)
-        m = self.mpi
-        self.rank, self.size = m.rank, m.size
-        self.local_rank, self.local_size = m.local_rank, m.local_size
-        self.cross_rank, self.cross_size = m.cross_rank, m.cross_size
-
-    # --- control plane: MPI ----------------------------------------------------------
-    def ctl_isend(self, data, dest):
-        return self.mpi.ctl_isend(data, dest)
-
-    def ctl_irecv(self, buf, source):
-        return self.mpi.ctl_irecv(buf, source)
-
-    def ctl_ibcast(self, buf, root):
-        return self.mpi.ctl_ibcast(buf, root)
-
-    def ctl_iallgather_bytes(self, data):
-        return self.mpi.ctl_iallgather_bytes(data)
-
-    @staticmethod
-    def test(request):
-        from .mpi import MPICommunicator
-        return MPICommunicator.test(request)
-
-    def abort(self, code=1):
-        self.mpi.abort(code)
+def _const(nccl, name, table, key):
+    return getattr(nccl, name, table[key])
 
 
 def _close_at_exit(ref):
@@ -120,7 +67,7 @@ def _close_at_exit(ref):
             pass
 
 
-class NCCLCommunicator(_GPUComm):
+class NCCLCommunicator(DeviceCommunicator):
     """NCCL data plane on one GPU per rank, MPI control plane.
 
     Args:
@@ -137,7 +84,7 @@ class NCCLCommunicator(_GPUComm):
         if sum16 not in ("exact", "nccl"):
             raise ValueError(f"sum16 must be 'exact' or 'nccl', got {sum16!r}")
         self._init_control(comm)
-        cp = _cupy()
+        cp = cupy()
         nccl = _nccl_module()
         self._nccl = nccl
         self.sum16_mode = sum16
@@ -200,7 +147,7 @@ class NCCLCommunicator(_GPUComm):
         """Make our stream wait for the caller's current stream (the data's producer)."""
         if self.nccl is None:
             raise RuntimeError(f"{self.describe()}: the NCCL communicator was closed")
-        cp = _cupy()
+        cp = cupy()
         # one event, re-recorded: a stream's wait takes the event's state at the call, and a
         # timing-disabled event is the cheap kind (Stream.record() makes a timing one)
         self._ready.record(cp.cuda.get_current_stream())
@@ -211,7 +158,7 @@ class NCCLCommunicator(_GPUComm):
         self.stream.synchronize()
 
     def _scratch_buf(self, nbytes):
-        cp = _cupy()
+        cp = cupy()
         buf = self._scratch.get(nbytes)
         if buf is None:
             self._scratch.clear()
@@ -265,14 +212,14 @@ class NCCLCommunicator(_GPUComm):
         return buf
 
     def bcast(self, arr, root):
-        a = _bytes(as_device(arr))
+        a = as_bytes(as_device(arr))
         s = self._begin()
         self.nccl.bcast(a.data.ptr, a.size, self._u8, int(root), s)
         self._end()
         return arr
 
     def allgather(self, src, dst):
-        a, b = _bytes(as_device(src)), _bytes(as_device(dst))
+        a, b = as_bytes(as_device(src)), as_bytes(as_device(dst))
         if b.size != a.size * self.size:
             raise ValueError(f"allgather: dst of {b.size} bytes, expected {self.size} x {a.size}")
         s = self._begin()
@@ -286,7 +233,7 @@ class NCCLCommunicator(_GPUComm):
         item = d.itemsize
         sizes = [int(c) * item for c in counts]
         displs = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist()
-        a8, d8 = _bytes(a), _bytes(d)
+        a8, d8 = as_bytes(a), as_bytes(d)
         s = self._begin()
         self._nccl.groupStart()
         try:
@@ -313,7 +260,7 @@ class NCCLCommunicator(_GPUComm):
 
     def alltoall(self, src, dst):
         """Grouped send/recv: block r of ``src`` goes to rank r."""
-        a8, d8 = _bytes(as_device(src)), _bytes(as_device(dst))
+        a8, d8 = as_bytes(as_device(src)), as_bytes(as_device(dst))
         if a8.size % self.size or d8.size != a8.size:
             raise ValueError(f"alltoall: {a8.size} bytes do not split into {self.size} equal blocks")
         blk = a8.size // self.size
@@ -328,7 +275,7 @@ class NCCLCommunicator(_GPUComm):
         rs = [int(c) * item for c in recv_counts]
         sd = np.concatenate([[0], np.cumsum(ss)[:-1]]).astype(np.int64).tolist()
         rd = np.concatenate([[0], np.cumsum(rs)[:-1]]).astype(np.int64).tolist()
-        self._alltoallv_bytes(_bytes(a), ss, sd, _bytes(d), rs, rd)
+        self._alltoallv_bytes(as_bytes(a), ss, sd, as_bytes(d), rs, rd)
         return dst
 
     def reduce_scatter(self, src, dst, counts, op="sum"):
@@ -340,7 +287,7 @@ class NCCLCommunicator(_GPUComm):
             self._end()
             return dst
         # unequal blocks: reduce everything, keep my block
-        cp = _cupy()
+        cp = cupy()
         full = cp.empty_like(a)
         self.allreduce_op(a, full, op)
         start = sum(counts[:self.rank])
@@ -355,113 +302,10 @@ class NCCLCommunicator(_GPUComm):
         return NCCLCommunicator(sub, device=self.device, sum16=self.sum16_mode)
 
 
-class HostStagedCommunicator(_GPUComm):
-    """Device buffers over MPI through pinned host copies: the fallback without NCCL.
-
-    Each call copies the device data to a pinned host buffer (cached by size), runs the
-    MPI communicator's collective on it, and copies the result back. The arithmetic is
-    the MPI communicator's, so results are the CPU path's bits (fp16/bf16 sums included).
-    """
-
-    kind = "host-staged"
-
-    def __init__(self, comm=None, device=None, reason=None, warn=True):
-        self._init_control(comm)
-        cp = _cupy()
-        if device is None:
-            device = self.local_rank % max(1, cp.cuda.runtime.getDeviceCount())
-        self.device = int(device)
-        cp.cuda.Device(self.device).use()
-        self._pinned = {}
-        self.reason = reason
-        if warn:
-            warnings.warn("gradfuse: NCCL is not usable" + (f" ({reason})" if reason else "")
-                          + "; device buffers go through pinned host memory and MPI (slower)",
-                          RuntimeWarning, stacklevel=2)
-
-    def describe(self):
-        return f"host-staged MPI communicator, rank {self.rank} of {self.size}, device {self.device}"
-
-    def _host(self, key, shape, dtype):
-        """A page-locked host view of ``shape``: one buffer per key ("a", "b"), grown when a
-        larger payload comes (not one per size: pinned memory is scarce and never paged)."""
-        import cupyx
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        raw = self._pinned.get(key)
-        if raw is None or raw.size < nbytes:
-            self._pinned.pop(key, None)
-            raw = cupyx.empty_pinned(max(nbytes, 1), np.uint8)   # page-locked: fast copies
-            self._pinned[key] = raw
-        return raw[:nbytes].view(dtype).reshape(shape)
-
-    def _down(self, arr, key="a"):
-        d = as_device(arr)
-        h = self._host(key, d.shape, d.dtype)
-        d.get(out=h)            # synchronous on the current stream: the producer is done
-        return d, h
-
-    @staticmethod
-    def _up(d, h):
-        d.set(h)
-        _cupy().cuda.get_current_stream().synchronize()
-
-    def _inplace(self, arr, collective, *args):
-        """``collective(host copy, *args)`` on one buffer, copied down and back up."""
-        d, h = self._down(arr)
-        collective(h, *args)
-        self._up(d, h)
-        return arr
-
-    def allreduce_inplace(self, arr):
-        return self._inplace(arr, self.mpi.allreduce_inplace)
-
-    def _pair(self, src, dst, collective, *args):
-        """``collective(host src, host dst, *args)``: ``src`` copied down, ``dst`` back up."""
-        _, ha = self._down(src, "a")
-        b = as_device(dst)
-        hb = self._host("b", b.shape, b.dtype)
-        collective(ha, hb, *args)
-        self._up(b, hb)
-        return dst
-
-    def allreduce(self, src, dst):
-        return self._pair(src, dst, self.mpi.allreduce)
-
-    def allreduce_op(self, src, dst, op):
-        return self._pair(src, dst, self.mpi.allreduce_op, op)
-
-    def allreduce16(self, buf, fmt):
-        return self._inplace(buf, self.mpi.allreduce16, fmt)
-
-    def bcast(self, arr, root):
-        return self._inplace(arr, self.mpi.bcast, root)
-
-    def allgather(self, src, dst):
-        return self._pair(src, dst, self.mpi.allgather)
-
-    def allgatherv(self, src, dst, counts):
-        return self._pair(src, dst, self.mpi.allgatherv, counts)
-
-    def alltoall(self, src, dst):
-        return self._pair(src, dst, self.mpi.alltoall)
-
-    def alltoallv(self, src, send_counts, dst, recv_counts):
-        return self._pair(src, dst, lambda ha, hb: self.mpi.alltoallv(ha, send_counts, hb, recv_counts))
-
-    def reduce_scatter(self, src, dst, counts, op="sum"):
-        return self._pair(src, dst, self.mpi.reduce_scatter, counts, op)
-
-    def split(self, ranks):
-        sub = self.mpi.split(ranks)
-        if sub is None:
-            return None
-        return HostStagedCommunicator(sub, device=self.device, reason=self.reason, warn=False)
-
-
 def _shared_devices(mpi_comm, device):
     """Ranks that share a GPU with another rank (same host and PCI bus id); [] if none.
     Collective over ``mpi_comm``: every rank gets the same answer."""
-    cp = _cupy()
+    cp = cupy()
     try:
         bus = cp.cuda.Device(device).pci_bus_id
     except Exception:
@@ -484,13 +328,12 @@ def make_gpu_communicator(comm=None, device=None, sum16="exact", prefer="nccl"):
     every rank (agreed through MPI before NCCL starts, so no rank waits in NCCL alone).
     ``prefer="host-staged"`` forces the fallback (no warning).
     """
-    from .mpi import MPICommunicator
     mpi_comm = comm if isinstance(comm, MPICommunicator) else MPICommunicator(comm)
     if prefer == "host-staged":
         return HostStagedCommunicator(mpi_comm, device, warn=False)
     if prefer != "nccl":
         raise ValueError(f"prefer must be 'nccl' or 'host-staged', got {prefer!r}")
-    cp = _cupy()
+    cp = cupy()
     reason = None
     try:
         _nccl_module()

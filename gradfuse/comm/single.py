@@ -36,6 +36,7 @@ class SingleProcessCommunicator(Communicator):
     """Size-1 communicator with no MPI at all; useful for tests and single-GPU runs."""
 
     kind = "single-process"
+    devices = ("cpu", "cuda")
 
     def __init__(self):
         self.rank = self.local_rank = self.cross_rank = 0

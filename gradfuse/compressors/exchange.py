@@ -1,12 +1,18 @@
-"""Compressed collectives for one fusion bucket.
+"""Compressed collectives for one fusion bucket: the exchange jobs.
 
-Each reducer runs in two halves so that the non-finite policy can hold for the whole
-step: ``start()`` compresses the bucket (fused kernel, reading the tensors through the
-plan's pointer table) and exchanges the payloads; ``finish()`` decodes, writes the
-results into the outputs and commits the new residuals. The pipeline calls ``start`` on
-every compressed bucket, then checks ``nonfinite`` (identical on every rank, because it
-travels with the payloads), and only then calls ``finish``. So a step with NaN/Inf
-anywhere raises on every rank before any result is written, and no residual changes.
+A job is made from one ``BucketTask`` (everything the bucket's exchange needs) and runs
+in three stages, so that the non-finite policy can hold for the whole step:
+``compress()`` runs the fused kernel (reading the tensors through the plan's pointer
+table, adding the residual, writing the new one into the spare buffer),
+``exchange()`` moves the payloads (its collective) and learns which ranks saw
+non-finite values, and ``decode()`` writes the results into the outputs and commits the
+new residuals. The step runs ``compress`` and ``exchange`` on every compressed bucket,
+then checks ``nonfinite_ranks`` (identical on every rank, because it travels with the
+payloads), and only then runs ``decode``. So a step with NaN/Inf anywhere raises on
+every rank before any result is written, and no residual changes.
+
+Each job class states its own buffer needs (``residual_sizes``: the worker residual and,
+for two-phase, the server's share), so the step needs no special case per algorithm.
 
 Wire format of one rank's allgather payload: an int64 header (the number of non-finite
 values this rank saw) followed by the compressor's payload arrays, each starting on an
@@ -14,7 +20,6 @@ values this rank saw) followed by the compressor's payload arrays, each starting
 """
 import numpy as np
 
-from ..fusion.backend import HOST
 from .error_feedback import EMPTY, compress_with_feedback
 
 
@@ -52,22 +57,55 @@ class Wire:
         return row_or_table[..., :8].view(np.int64)
 
 
-class BucketJob:
-    """What every reducer gets: the bucket, its tables, the compressor, its state."""
+class BucketTask:
+    """Everything one compressed bucket's exchange needs, handed to its job as one object.
 
-    def __init__(self, comm, comp, bucket, src_table, dst_table, state, ctx, divisor, cache, stats, bk=HOST):
-        self.comm, self.comp, self.bucket, self.bk = comm, comp, bucket, bk
-        self.src, self.dst = src_table, dst_table
-        self.state, self.ctx, self.divisor = state, ctx, divisor
-        self.cache, self.stats = cache, stats
-        self.n = bucket.count
+    Args (keyword only):
+        comm: the data-plane communicator.
+        compressor: the pipeline's compressor.
+        bucket: the fusion bucket (``gradfuse.fusion.plan.Bucket``).
+        src, dst: ``(pointers, element offsets, counts, lo, hi)``: the bucket's tensors,
+            read from and written to.
+        residual: the bucket's ``BucketState`` (worker and server residuals).
+        ctx: the ``BucketContext`` (bucket index, step, device).
+        divisor: what the sum is divided by (the world size when averaging, else 1).
+        cache: a dict the job keeps its buffers in, across steps of the same plan.
+        stats: the pipeline's counters (``bytes_sent``, cast overflow counts).
+        backend: where the buffers live and which kernels run (host or a GPU).
+    """
+
+    __slots__ = ("comm", "compressor", "bucket", "src", "dst", "residual", "ctx", "divisor", "cache",
+                 "stats", "backend")
+
+    def __init__(self, *, comm, compressor, bucket, src, dst, residual, ctx, divisor, cache, stats, backend):
+        self.comm, self.compressor, self.bucket = comm, compressor, bucket
+        self.src, self.dst, self.residual, self.ctx = src, dst, residual, ctx
+        self.divisor, self.cache, self.stats, self.backend = divisor, cache, stats, backend
+
+
+class BucketJob:
+    """What every exchange job shares: the task's parts, residuals, reference paths."""
+
+    algorithm = "abstract"
+
+    @classmethod
+    def residual_sizes(cls, comp, n, comm):
+        """(worker residual, server residual) elements this job keeps for a bucket of n."""
+        return (n if comp.error_feedback else 0), 0
+
+    def __init__(self, task):
+        self.comm, self.comp, self.bucket, self.bk = task.comm, task.compressor, task.bucket, task.backend
+        self.src, self.dst = task.src, task.dst
+        self.state, self.ctx, self.divisor = task.residual, task.ctx, task.divisor
+        self.cache, self.stats = task.cache, task.stats
+        self.n = task.bucket.count
         self.nonfinite_ranks = []     # ranks that reported non-finite values (same everywhere)
         self.nonfinite_detail = ""
 
     def fused(self):
         """Whether the compressor's fused methods may run here (host, or a compressor
         whose fused methods take device memory)."""
-        return self.bk is HOST or self.comp.supports_cuda
+        return self.bk.device == "cpu" or self.comp.supports_cuda
 
     def residuals(self):
         if self.comp.error_feedback:
@@ -87,7 +125,7 @@ class BucketJob:
         for compressors without fused kernels, on the host whatever the device)."""
         bk = self.bk
         e_in, e_out = self.residuals()
-        if bk is HOST:
+        if bk.device == "cpu":
             return compress_with_feedback(self.comp, g, e_in, e_out, payloads, self.ctx)
         h_in = bk.host(e_in)
         h_out = np.empty(e_out.size, np.float32)
@@ -116,7 +154,9 @@ class BucketJob:
 class AllgatherJob(BucketJob):
     """Every rank sends its payload to every rank; every rank decodes and sums all of them."""
 
-    def start(self):
+    algorithm = "allgather"
+
+    def compress(self):
         p = self.comm.size
         wire = Wire(self.comp.payload_layout(self.n))
         key = ("allgather", wire.nbytes, p)
@@ -129,13 +169,16 @@ class AllgatherJob(BucketJob):
             self.cache[key] = bufs
         send, recv = bufs
         Wire.header(send)[0] = self.compress_into(wire.views(send))
-        self.comm.allgather(send, recv)
+        self.wire, self.send, self.recv = wire, send, recv
+
+    def exchange(self):
+        p, wire, recv = self.comm.size, self.wire, self.recv
+        self.comm.allgather(self.send, recv)
         self.stats.bytes_sent += wire.nbytes * (p - 1)
         flags = self.bk.host(Wire.header(recv)[:, 0])
         self.nonfinite_ranks = [r for r in range(p) if flags[r]]
-        self.wire, self.recv = wire, recv
 
-    def finish(self):
+    def decode(self):
         self.write_sum(self.wire.rows(self.recv), self.divisor)
         self.commit()
 
@@ -143,7 +186,9 @@ class AllgatherJob(BucketJob):
 class AllreduceJob(BucketJob):
     """fp16/bf16: the network sums the 16-bit payloads (MPI user op, float32 add rounded once)."""
 
-    def start(self):
+    algorithm = "allreduce"
+
+    def compress(self):
         bk = self.bk
         buf = self.cache.get("buf16")
         if buf is None or buf.size != self.n:
@@ -162,6 +207,10 @@ class AllreduceJob(BucketJob):
         self.stats.cast_overflow += ovf
         self.stats.cast_underflow += unf
         self.divisor_after = 1.0 if prescale != 1.0 else self.divisor
+        self.buf = buf
+
+    def exchange(self):
+        bk, buf = self.bk, self.buf
         self.comm.allreduce16(buf, self.comp.fmt)
         p = self.comm.size
         self.stats.bytes_sent += ring_bytes(2 * self.n, p)
@@ -172,9 +221,8 @@ class AllreduceJob(BucketJob):
             self.nonfinite_detail = (f"the {self.comp.name} sum holds {bad} inf/NaN value(s): an input was "
                                      f"non-finite or the sum overflowed {self.comp.name}"
                                      + (" (largest 65504; try predivide=True or bf16)" if self.comp.fmt == 1 else ""))
-        self.buf = buf
 
-    def finish(self):
+    def decode(self):
         self.write_sum([self.buf.reshape(1, -1)], self.divisor_after)
         self.commit()
 
@@ -190,6 +238,15 @@ class TwoPhaseJob(BucketJob):
     bits, so every rank ends with identical results.
     """
 
+    algorithm = "twophase"
+
+    @classmethod
+    def residual_sizes(cls, comp, n, comm):
+        if not comp.error_feedback:
+            return 0, 0
+        e0, e1 = twophase_chunk(n, comm.size, comp.block, comm.rank)
+        return n, e1 - e0
+
     def geometry(self):
         B, n, p = self.comp.block, self.n, self.comm.size
         nb = -(-n // B)
@@ -199,12 +256,12 @@ class TwoPhaseJob(BucketJob):
     def chunk(self, r):
         return twophase_chunk(self.n, self.comm.size, self.comp.block, r)
 
-    def start(self):
+    def compress(self):
         B, n, p, nb, cb = self.geometry()
         wire = Wire([(np.dtype(np.uint32), cb * B // 32), (np.dtype(np.float32), cb)])
         key = ("twophase", wire.nbytes, p, n)
         bufs = self.cache.get(key)
-        bk, K = self.bk, self.bk.kernels
+        bk = self.bk
         if bufs is None:
             mk = lambda: bk.empty_bytes(wire.nbytes * p).reshape(p, wire.nbytes)   # noqa: E731
             bufs = (mk(), mk(), bk.empty_bytes(wire.nbytes), mk(),
@@ -225,6 +282,12 @@ class TwoPhaseJob(BucketJob):
             s0, s1 = e0 // B, -(-e1 // B)
             w_bits[:w1 - w0] = bits[w0:w1]
             w_scales[:s1 - s0] = scales[s0:s1]
+        self.wire, self.bufs = wire, bufs
+
+    def exchange(self):
+        B, n, p, nb, cb = self.geometry()
+        wire, bk, K = self.wire, self.bk, self.bk.kernels
+        send, recv, ssend, srecv, bits, scales = self.bufs
         self.comm.alltoall(send, recv)
         # server side: my chunk from every rank
         me = self.comm.rank
@@ -247,11 +310,11 @@ class TwoPhaseJob(BucketJob):
         if flags.any():
             self.nonfinite_ranks = ["?"]
             self.nonfinite_detail = "a rank's gradients or a server average were non-finite"
-        self.wire, self.srecv, self.bits, self.scales = wire, srecv, bits, scales
 
-    def finish(self):
+    def decode(self):
         B, n, p, nb, cb = self.geometry()
-        wire, srecv, bits, scales = self.wire, self.srecv, self.bits, self.scales
+        wire = self.wire
+        _, _, _, srecv, bits, scales = self.bufs
         for r in range(p):
             e0, e1 = self.chunk(r)
             if e1 == e0:
@@ -273,4 +336,11 @@ def twophase_chunk(n, p, block, r):
     return min(r * cb * block, n), min((r + 1) * cb * block, n)
 
 
-JOBS = {"allgather": AllgatherJob, "allreduce": AllreduceJob, "twophase": TwoPhaseJob}
+JOBS = {job.algorithm: job for job in (AllgatherJob, AllreduceJob, TwoPhaseJob)}
+
+
+def job_class(comp, n, p):
+    """The job class that exchanges a bucket of ``n`` elements on ``p`` ranks (the same on
+    every rank: it depends only on what the ranks agreed on)."""
+    algorithm = comp.algorithm_for(n, p) if hasattr(comp, "algorithm_for") else comp.collective
+    return JOBS[algorithm]

@@ -11,19 +11,20 @@ A state saved with another world size or compressor config is reset with a warni
 residual is only ever applied to the bucket it was saved for; when the first compressed
 step after a restore finds none of its own, a warning says the layout changed.
 """
+import json
 import warnings
 
 import numpy as np
-
-from ..fusion.backend import HOST, to_host
 
 FORMAT = "gradfuse-state-1"
 
 
 class BucketState:
-    __slots__ = ("n", "cur", "nxt", "server_cur", "server_nxt", "algorithm", "device")
+    """One bucket's residuals (worker and server), double-buffered, in ``bk``'s memory."""
 
-    def __init__(self, n, server_n=0, algorithm="allgather", bk=HOST):
+    __slots__ = ("n", "cur", "nxt", "server_cur", "server_nxt", "algorithm", "device", "bk")
+
+    def __init__(self, n, server_n, algorithm, bk):
         self.n = n
         self.cur = bk.zeros(n, np.float32)
         self.nxt = bk.zeros(n, np.float32)
@@ -31,6 +32,7 @@ class BucketState:
         self.server_nxt = bk.zeros(server_n, np.float32)
         self.algorithm = algorithm
         self.device = (bk.device, bk.device_id)
+        self.bk = bk
 
     def commit(self):
         self.cur, self.nxt = self.nxt, self.cur
@@ -47,7 +49,7 @@ class CompressionState:
         self._fresh_restore = False   # no compressed step since the last restore
         self._claimed_any = False
 
-    def bucket(self, key, n, server_n, algorithm, bk=HOST):
+    def bucket(self, key, n, server_n, algorithm, bk):
         """The state of bucket ``key``, in the memory of backend ``bk`` (host or a GPU).
 
         Keys do not depend on where the tensors live, so a residual follows its bucket
@@ -58,9 +60,9 @@ class CompressionState:
                 and st.device != (bk.device, bk.device_id):
             moved = BucketState(n, server_n, algorithm, bk)
             if n:
-                bk.upload(moved.cur, to_host(st.cur))
+                bk.upload(moved.cur, st.bk.host(st.cur))
             if server_n:
-                bk.upload(moved.server_cur, to_host(st.server_cur))
+                bk.upload(moved.server_cur, st.bk.host(st.server_cur))
             self.buckets[key] = st = moved
         if st is None or st.n != n or st.server_cur.size != server_n:
             st = BucketState(n, server_n, algorithm, bk)
@@ -98,8 +100,8 @@ class CompressionState:
     def state_dict(self, config, world_size, rank):
         buckets = {}
         for (digest, b), st in self.buckets.items():
-            buckets[f"{digest}/{b}"] = {"n": st.n, "residual": np.array(to_host(st.cur), copy=True),
-                                        "server_residual": np.array(to_host(st.server_cur), copy=True),
+            buckets[f"{digest}/{b}"] = {"n": st.n, "residual": np.array(st.bk.host(st.cur), copy=True),
+                                        "server_residual": np.array(st.bk.host(st.server_cur), copy=True),
                                         "algorithm": st.algorithm}
         for (digest, b), saved in self.pending.items():
             buckets.setdefault(f"{digest}/{b}", saved)
@@ -132,3 +134,28 @@ class CompressionState:
                 "server_residual": np.asarray(saved["server_residual"], np.float32).copy(),
                 "algorithm": saved.get("algorithm", "allgather")}
         return True
+
+
+def save_npz(sd, path):
+    """Write a ``state_dict()`` to ``path``: numpy .npz, arrays plus JSON metadata, no pickle."""
+    arrays = {}
+    meta = {k: v for k, v in sd.items() if k != "buckets"}
+    meta["buckets"] = {}
+    for i, (key, b) in enumerate(sd["buckets"].items()):
+        arrays[f"r{i}"] = b["residual"]
+        arrays[f"s{i}"] = b["server_residual"]
+        meta["buckets"][key] = {"n": b["n"], "algorithm": b["algorithm"], "i": i}
+    with open(path, "wb") as f:
+        np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+
+
+def load_npz(path):
+    """The ``state_dict()`` that ``save_npz`` wrote to ``path``."""
+    with np.load(path, allow_pickle=False) as z:
+        meta = json.loads(z["meta"].tobytes().decode())
+        buckets = {}
+        for key, b in meta["buckets"].items():
+            buckets[key] = {"n": b["n"], "algorithm": b["algorithm"],
+                            "residual": z[f"r{b['i']}"], "server_residual": z[f"s{b['i']}"]}
+    meta["buckets"] = buckets
+    return meta

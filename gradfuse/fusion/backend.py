@@ -1,8 +1,8 @@
 """Where a step's buffers live and which kernels run on them: host (numpy + ``_core``) or
 CUDA (cupy + ``gradfuse.gpu``).
 
-The pipeline, the reducers of ``gradfuse.reduce`` and the built-in compressors are written
-once against this small interface; ``HOST`` and ``CudaBackend`` supply the allocations,
+The step, the exchange jobs of ``gradfuse.compressors.exchange`` and the built-in
+compressors are written once against this small interface; ``HOST`` and ``CudaBackend`` supply the allocations,
 the kernel module (``kernels``: ``gradfuse._core`` or ``gradfuse.gpu``, whose functions
 take the same arguments) and the few steps that differ (averaging dtypes other than
 float32, reading a small device array on the host).
@@ -131,14 +131,18 @@ class CudaBackend:
             self.stream = cp.cuda.Stream(non_blocking=True)
             gpu.compile_all()       # NVRTC once per device (and cupy's disk cache)
 
+    # allocations are made on this backend's device, whichever device is current
     def empty_bytes(self, nbytes):
-        return self.xp.empty(int(nbytes), np.uint8)     # cupy allocations are 256-byte aligned
+        with self.xp.cuda.Device(self.device_id):
+            return self.xp.empty(int(nbytes), np.uint8)     # cupy allocations are 256-byte aligned
 
     def empty(self, n, dtype):
-        return self.xp.empty(n, dtype)
+        with self.xp.cuda.Device(self.device_id):
+            return self.xp.empty(n, dtype)
 
     def zeros(self, n, dtype=np.float32):
-        return self.xp.zeros(n, dtype)
+        with self.xp.cuda.Device(self.device_id):
+            return self.xp.zeros(n, dtype)
 
     @staticmethod
     def upload(dst, src):

@@ -1,5 +1,6 @@
 """Process-wide state: the default communicator and, per communicator, its
-communication thread (``Engine``) and control plane (``Coordinator``)."""
+communication thread (``Engine``), control plane (``Coordinator``), the GPU it serves
+on this rank and the communicator that carries its GPU buffers."""
 import threading
 
 from ..comm.base import Communicator
@@ -19,9 +20,49 @@ class Context:
         self.coordinator = Coordinator(comm)
         self.engine = Engine(name=f"gradfuse-comm-{comm.kind}")
         # the GPU this rank uses with this communicator (one per rank), and the data-plane
-        # communicator for its buffers (made on the first GPU step; gradfuse.pipeline)
+        # communicator for its buffers (made on the first GPU step)
         self.gpu_device = None
         self.gpu_comm = None
+
+    def claim_device(self, dev):
+        """Fix GPU ``dev`` as this rank's GPU for this communicator, or raise ValueError.
+
+        One GPU per rank and communicator: its GPU communicator (NCCL) is made for one
+        device, collectively. A step on another device is refused before the ranks agree
+        (so every rank raises), rather than leaving this rank alone in NCCL's set-up.
+        """
+        served = self.comm.device
+        if served is not None and served != dev:
+            raise ValueError(f"the tensors are on GPU {dev} but the communicator {self.comm.describe()} "
+                             f"serves GPU {served}")
+        with _lock:
+            if self.gpu_device is None:
+                self.gpu_device = dev
+            claimed = self.gpu_device
+        if claimed != dev:
+            raise ValueError(f"the tensors are on GPU {dev}, but this rank's earlier GPU steps on this "
+                             f"communicator used GPU {claimed}; each rank must keep to one GPU")
+
+    def data_comm(self, dev):
+        """The communicator for GPU buffers on device ``dev`` (the claimed one).
+
+        Made once, collectively, on the communication thread after the ranks agreed on a
+        GPU step: the communicator itself if it carries device memory, else, for MPI, NCCL
+        or MPI through pinned host memory (with a warning).
+        """
+        comm = self.gpu_comm
+        if comm is None:
+            base = self.comm
+            if base.carries("cuda"):
+                comm = base
+            elif base.kind == "mpi":
+                from ..comm.nccl import make_gpu_communicator
+                comm = make_gpu_communicator(base, device=dev)
+            else:
+                raise TypeError(f"{type(base).__name__} cannot carry GPU buffers; give Pipeline an MPI, "
+                                f"NCCL or single-process communicator")
+            self.gpu_comm = comm
+        return comm
 
 
 def _wrap(comm):
@@ -61,8 +102,18 @@ def init(comm=None, install_hooks=None):
             return _default.comm
         _default = _context_locked(comm)
     if hooks:
-        watchdog.install(_default.comm)
+        watchdog.install(_default.comm, all_contexts)
     return _default.comm
+
+
+def all_contexts():
+    """Every context made so far, the default one first (the watchdog watches them)."""
+    out, seen = [], set()
+    for ctx in [_default] + [entry[1] for entry in list(_contexts.values())]:
+        if ctx is not None and id(ctx) not in seen:
+            seen.add(id(ctx))
+            out.append(ctx)
+    return out
 
 
 def is_initialized():

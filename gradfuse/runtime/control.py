@@ -28,7 +28,7 @@ import warnings
 
 from .. import config
 from ..errors import MismatchError, RemoteInputError
-from .watchdog import COORDINATOR_LEAD_S, announce_and_abort
+from .abort import COORDINATOR_LEAD_S, announce_and_abort
 
 _MSG = struct.Struct("<Q16sQ")     # sequence number, request digest, step tag
 OK, MISMATCH = 0, 1

@@ -27,7 +27,7 @@ non-zero end of the job:
   The atexit hook cannot see the exit code, so ``sys.exit`` is wrapped to record the
   code it is given; a script that ends, or ``raise SystemExit`` directly, reports
   "code unknown".
-* **watchdog thread**: if one job of a communication thread (``gradfuse.engine``)
+* **watchdog thread**: if one job of a communication thread (``gradfuse.runtime.engine``)
   has run longer than ``GRADFUSE_STALL_TIMEOUT_S`` plus ``_CONTROL_GRACE_S`` (the
   control plane's own timeout, which names the missing ranks, goes first), it prints
   what is stuck, with the communication thread's stack, and aborts the job. This
@@ -50,15 +50,7 @@ import traceback
 import numpy as np
 
 from .. import config
-
-# MPI_Abort ends the job at once, and mpiexec drops output it has not forwarded yet
-# (seen in CI: the "stall timeout" line written and flushed just before MPI_Abort never
-# reached mpiexec's stderr). A job that aborts is already lost; a second spent so that
-# the reason reaches the user is cheap.
-ABORT_GRACE_S = 1.0
-# the control plane's stall timeout fires at T on rank 0, which names the missing ranks,
-# and at T + COORDINATOR_LEAD_S on the others, so that rank 0 speaks first
-COORDINATOR_LEAD_S = 5.0
+from .abort import ABORT_GRACE_S, COORDINATOR_LEAD_S, announce_and_abort
 
 _POLL_S = 0.1            # how often the watchdog looks
 _GRACE_S = 2.0           # a collective already running when a peer left may still finish
@@ -69,19 +61,6 @@ UNKNOWN_CODE = -(1 << 62)
 
 _hooks = None
 _install_lock = threading.Lock()
-
-
-def announce_and_abort(message, abort, code=1):
-    """Flush stdout, print ``message`` to stderr, let mpiexec forward it, then ``abort(code)``."""
-    for stream, text in ((sys.stdout, None), (sys.stderr, message.rstrip("\n") + "\n")):
-        try:
-            if text:
-                stream.write(text)
-            stream.flush()
-        except Exception:                      # a closed stream must not stop the abort
-            pass
-    time.sleep(ABORT_GRACE_S)
-    abort(code)
 
 
 def hooks_enabled(install_hooks=None):
@@ -98,10 +77,12 @@ def installed():
     return _hooks
 
 
-def install(comm):
+def install(comm, contexts=tuple):
     """Install the hooks for ``comm`` (a gradfuse MPICommunicator); once per process.
 
     Collective over ``comm`` (it is duplicated), so every rank must call it: ``init()`` does.
+    ``contexts()`` returns the runtime contexts whose communication threads the watchdog
+    watches (``gradfuse.runtime.context.all_contexts``: the registry lives above this module).
     """
     global _hooks
     with _install_lock:
@@ -109,7 +90,7 @@ def install(comm):
             return _hooks
         if getattr(comm, "kind", None) != "mpi" or comm.size < 2:
             return None
-        _hooks = _Hooks(comm.user_comm)
+        _hooks = _Hooks(comm.user_comm, contexts)
         return _hooks
 
 
@@ -130,9 +111,10 @@ def _code_of(arg):
 
 
 class _Hooks:
-    def __init__(self, user_comm):
+    def __init__(self, user_comm, contexts=tuple):
         from mpi4py import MPI
         self.MPI = MPI
+        self.contexts = contexts
         self.comm = user_comm.Dup()            # private: nothing else matches our messages
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
@@ -183,17 +165,11 @@ class _Hooks:
 
     # --- the watchdog thread ---------------------------------------------------------
     def _contexts(self):
-        from . import context as runtime
-        seen, out = set(), []
+        """Every runtime context now (the ``contexts`` callable given to ``install``)."""
         try:
-            entries = list(runtime._contexts.values())
-        except RuntimeError:                   # the dict changed while copied: next round
-            entries = []
-        for ctx in [runtime._default] + [e[1] for e in entries]:
-            if ctx is not None and id(ctx) not in seen:
-                seen.add(id(ctx))
-                out.append(ctx)
-        return out
+            return list(self.contexts())
+        except RuntimeError:                   # a registry changed while copied: next round
+            return []
 
     def _involves(self, ctx, peer):
         """Whether ``peer`` (a rank of the private communicator) belongs to ctx's communicator."""

@@ -1,0 +1,258 @@
+"""The communication-thread half of a step, and the pipeline's counters.
+
+``Pipeline.allreduce_async`` prepares a ``Step`` on the caller's thread (pointer tables
+read, plan looked up, outputs ready) and submits it to the communicator's one
+communication thread, which calls it. A step runs these stages, each a function of one
+bucket (or of the step), so that later work can reorder and pipeline them:
+
+1. ``negotiate(step)``: every rank agrees on the request (``gradfuse.runtime.control``).
+2. Compressed buckets (float32, a lossy compressor, past warm-up), one job each
+   (``gradfuse.compressors.exchange``): ``compress(job)`` (residual add, compress, new
+   residual, one fused kernel) and ``exchange(job)`` (the job's collective).
+3. ``check_finite(step, jobs)``: every rank has the same non-finite verdict here; a bad
+   step raises ``NonFiniteError`` on every rank before anything is written.
+4. Plain buckets: ``pack(step, b)``, ``reduce(step, comm, b)`` (the MPI library's or
+   NCCL's own allreduce, in place), ``unpack(step, b, ...)`` (dividing when averaging).
+   Tensors of ``direct`` buckets are reduced where they lie (``reduce_direct``).
+5. ``decode(job)``: decode-sum-divide into the outputs, and commit the new residuals.
+
+On a GPU the same stages run on the backend's stream, after an event recorded on the
+caller's stream (the gradients' producer), and the step synchronizes before it returns.
+"""
+import numpy as np
+
+from . import dtypes as _dt
+from .compressors.base import BucketContext
+from .compressors.exchange import BucketTask, job_class, ring_bytes
+from .errors import NonFiniteError
+from .fusion.tables import as_ndarray
+
+_F32 = _dt.CODE[np.dtype(np.float32)]
+
+
+class Stats:
+    """Counters of one pipeline (read them as attributes or with ``as_dict()``).
+
+    ``bytes_reduced`` counts the gradient bytes a step reduced (uncompressed size), so a
+    collective that was stopped by the control plane or the non-finite policy adds 0.
+    ``bytes_sent`` estimates the bytes this rank put on the wire: a compressed bucket's
+    payloads as its collective sends them, an uncompressed allreduce (``none``, warm-up
+    steps, non-float32 buckets) as a bandwidth-optimal one's 2(p-1)/p x its size (the MPI
+    library or NCCL picks the real algorithm).
+    ``cast_overflow``/``cast_underflow`` count fp16/bf16 values that became inf / zero.
+    """
+
+    FIELDS = ("steps", "tensors", "buckets", "bytes_reduced", "bytes_sent", "plans_built", "failed_steps",
+              "nonfinite_steps", "cast_overflow", "cast_underflow")
+
+    def __init__(self):
+        for f in self.FIELDS:
+            setattr(self, f, 0)
+
+    def as_dict(self):
+        return {f: getattr(self, f) for f in self.FIELDS}
+
+    def __repr__(self):
+        return f"Stats({', '.join(f'{k}={v}' for k, v in self.as_dict().items())})"
+
+
+class StepConfig:
+    """What every step of one pipeline shares: its runtime context, compressor, averaging
+    rule, compression state (residuals, step counter) and counters."""
+
+    __slots__ = ("ctx", "compressor", "average", "state", "stats")
+
+    def __init__(self, ctx, compressor, average, state, stats):
+        self.ctx, self.compressor, self.average = ctx, compressor, average
+        self.state, self.stats = state, stats
+
+    def step_tag(self):
+        """What of the compressor state the ranks must agree on: its step counter (it drives
+        warm-up and random-k's positions). 0 for lossless pipelines."""
+        return 0 if self.compressor.lossless else self.state.step
+
+
+class Step:
+    """One allreduce of one call, ready to run on the communication thread (call it).
+
+    Args:
+        cfg: the pipeline's ``StepConfig``.
+        entry: the cached plan (plan, request, backend, names, residual key, wire buffers).
+        inputs, outputs: ``gradfuse.fusion.tables.Inputs`` / ``Outputs`` of the call.
+    """
+
+    __slots__ = ("cfg", "entry", "src", "dst", "tables", "in_objs", "out_objs", "result", "ready",
+                 "inplace")
+
+    def __init__(self, cfg, entry, inputs, outputs):
+        plan, bk = entry.plan, entry.bk
+        src, dst = inputs.ptrs[plan.order], outputs.ptrs[plan.order]
+        self.inplace = bool(np.array_equal(src, dst))
+        self.src, self.dst, self.tables = bk.pointers(src), bk.pointers(dst), bk.plan_tables(plan)
+        # tensors reduced where they lie go to the communicator as numpy views
+        in_objs, out_objs = list(inputs.objs), list(outputs.objs)
+        if bk.device == "cpu":
+            for b in plan.buckets:
+                if b.direct:
+                    i = int(plan.order[b.lo])
+                    in_objs[i], out_objs[i] = as_ndarray(in_objs[i]), as_ndarray(out_objs[i])
+        self.cfg, self.entry = cfg, entry
+        self.in_objs, self.out_objs = in_objs, out_objs
+        self.result, self.ready = outputs.result, outputs.ready
+
+    def __call__(self):
+        cfg, bk = self.cfg, self.entry.bk
+        try:
+            negotiate(self)
+        except BaseException:
+            cfg.stats.failed_steps += 1
+            raise
+        if bk.device == "cpu":
+            return self.run(cfg.ctx.comm)
+        with bk.xp.cuda.Device(bk.device_id), bk.stream:
+            comm = cfg.ctx.data_comm(bk.device_id)
+            bk.stream.wait_event(self.ready)       # the producer of the gradients is done
+            try:
+                return self.run(comm)
+            finally:
+                bk.synchronize()      # nothing of this step still runs when wait() returns
+
+    def run(self, comm):
+        """Stages 2-5 on ``comm`` (the ranks have agreed); returns the call's result."""
+        cfg, plan = self.cfg, self.entry.plan
+        average = cfg.average
+        divide = average and comm.size > 1
+        size = float(comm.size)
+        jobs = {}
+        if not cfg.compressor.lossless:
+            jobs = compressed_jobs(self, comm, size if average else 1.0)
+            for job in jobs.values():
+                compress(job)
+                exchange(job)
+            if jobs:
+                cfg.state.claim_done(self.entry.state_key)
+            check_finite(self, jobs)
+        # one rank, in place: the sum (and the mean) of one tensor is the tensor itself
+        plain = () if comm.size == 1 and self.inplace else plan.buckets
+        for b in plain:
+            if b.index in jobs:
+                continue
+            if b.direct:
+                reduce_direct(self, comm, b, divide, size)
+            else:
+                pack(self, b)
+                reduce(self, comm, b)
+                unpack(self, b, divide, size)
+            cfg.stats.bytes_reduced += b.nbytes
+            cfg.stats.bytes_sent += ring_bytes(b.nbytes, comm.size)
+        for job in jobs.values():
+            decode(job)
+            cfg.stats.bytes_reduced += job.bucket.nbytes
+        if not cfg.compressor.lossless:
+            cfg.state.step += 1
+        cfg.stats.steps += 1
+        cfg.stats.tensors += len(self.entry.names)
+        cfg.stats.buckets += len(plan.buckets)
+        return self.result
+
+
+# --- the stages -----------------------------------------------------------------------
+def negotiate(step):
+    """Every rank agrees on the request and the step tag, or every rank raises."""
+    cfg = step.cfg
+    cfg.ctx.coordinator.negotiate(step.entry.request, cfg.step_tag())
+
+
+def pack(step, b):
+    """Copy bucket ``b``'s tensors into its fusion buffer (one kernel call)."""
+    t = step.tables
+    step.entry.bk.pack(b.buffer, step.src, t.offsets, t.nbytes, b.lo, b.hi)
+
+
+def reduce(step, comm, b):
+    """Sum bucket ``b``'s fusion buffer across ranks, in place."""
+    comm.allreduce_inplace(b.view())
+
+
+def unpack(step, b, divide, size):
+    """Copy the summed buffer back into the outputs, dividing by ``size`` when averaging."""
+    t, bk = step.tables, step.entry.bk
+    if divide:
+        outs = () if bk.device == "cpu" else [step.out_objs[int(i)] for i in step.entry.plan.order[b.lo:b.hi]]
+        bk.unpack_div(b.buffer, step.dst, t.offsets, t.nbytes, b.lo, b.hi, b.code, size, outs)
+    else:
+        bk.unpack(b.buffer, step.dst, t.offsets, t.nbytes, b.lo, b.hi)
+
+
+def reduce_direct(step, comm, b, divide, size):
+    """Sum the one large tensor of a ``direct`` bucket where it lies (no packing)."""
+    i = int(step.entry.plan.order[b.lo])
+    if step.src[b.lo] == step.dst[b.lo]:
+        comm.allreduce_inplace(step.out_objs[i])
+    else:
+        comm.allreduce(step.in_objs[i], step.out_objs[i])
+    if divide:
+        step.entry.bk.div_inplace(step.out_objs[i], step.dst[b.lo], step.entry.plan.counts[b.lo], b.code, size)
+
+
+def compressed_jobs(step, comm, divisor):
+    """One exchange job per float32 bucket, {bucket index: job}; {} during warm-up.
+
+    Other dtypes go uncompressed (compressors work on float32). Each job class says which
+    residuals it keeps, and the bucket's residual state is sized from that.
+    """
+    cfg, entry = step.cfg, step.entry
+    comp, state, bk = cfg.compressor, cfg.state, entry.bk
+    if state.step < comp.warmup_steps:
+        return {}
+    off, cnt = step.tables.elem_offsets, step.tables.counts
+    jobs = {}
+    for b in entry.plan.buckets:
+        if b.code != _F32:
+            continue
+        job = job_class(comp, b.count, comm.size)
+        n_res, n_server = job.residual_sizes(comp, b.count, comm)
+        residual = state.bucket((entry.state_key, b.index), n_res, n_server, job.algorithm, bk)
+        task = BucketTask(comm=comm, compressor=comp, bucket=b, src=(step.src, off, cnt, b.lo, b.hi),
+                          dst=(step.dst, off, cnt, b.lo, b.hi), residual=residual,
+                          ctx=BucketContext(bucket=b.index, step=state.step, device=bk.device),
+                          divisor=divisor, cache=entry.wire.setdefault(b.index, {}), stats=cfg.stats,
+                          backend=bk)
+        jobs[b.index] = job(task)
+    return jobs
+
+
+def compress(job):
+    """Residual add, compression and the new residual of one bucket (fused kernel)."""
+    job.compress()
+
+
+def exchange(job):
+    """The bucket's collective: its payloads to the other ranks, theirs to this one."""
+    job.exchange()
+
+
+def decode(job):
+    """Decode-sum-divide into the outputs; the new residuals become current."""
+    job.decode()
+
+
+def check_finite(step, jobs):
+    """Raise ``NonFiniteError`` (on every rank alike) if any rank saw NaN/Inf in a bucket."""
+    bad = [j for j in jobs.values() if j.nonfinite_ranks]
+    if not bad:
+        return
+    cfg, entry = step.cfg, step.entry
+    cfg.stats.nonfinite_steps += 1
+    cfg.stats.failed_steps += 1
+    parts = []
+    for j in bad:
+        names = [entry.names[int(i)] for i in entry.plan.order[j.bucket.lo:j.bucket.hi][:4]]
+        who = (f"on rank(s) {', '.join(str(r) for r in j.nonfinite_ranks)}"
+               if "?" not in j.nonfinite_ranks else "")
+        parts.append(f"bucket {j.bucket.index} (tensors {', '.join(repr(x) for x in names)}"
+                     f"{', ...' if j.bucket.hi - j.bucket.lo > 4 else ''}): non-finite values {who}"
+                     f"{'; ' + j.nonfinite_detail if j.nonfinite_detail else ''}")
+    raise NonFiniteError(f"{cfg.compressor.name}: NaN/Inf in the step's gradients; the step was refused on "
+                         f"every rank, no result was written and the residuals are unchanged: "
+                         + "; ".join(parts))
