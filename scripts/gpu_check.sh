@@ -169,7 +169,7 @@ else
 fi
 
 say "3) benchmark (256 MB bucket; Pipeline steps on ResNet-50)"
-STEP_RESERVE=0 step benchmark 90 $PY -m gradfuse.bench_gpu --mb 256 --repeat 20 --pipeline || fail=1
+STEP_RESERVE=0 step benchmark 90 $PY -m gradfuse.bench gpu --mb 256 --repeat 20 --pipeline || fail=1
 [ -n "${OUT:-}" ] && [ -s "$OUT/gpu_bench.md" ] && echo "(tables in $OUT/gpu_bench.md)"
 
 (( ${#notrun[@]} )) && say "not run: ${notrun[*]}"

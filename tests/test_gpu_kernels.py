@@ -110,7 +110,7 @@ def test_modules_compiled_by_gradfuse_with_its_options_and_kept_on_disk(g, monke
     path = gpu.module_path("pack", cc)
     assert os.path.exists(path) and path.endswith((".cubin", ".ptx"))
     calls = []
-    monkeypatch.setattr(gpu, "compile_family", lambda *a: calls.append(a) or (b"", "cubin"))
+    monkeypatch.setattr(gpu.loader, "compile_family", lambda *a: calls.append(a) or (b"", "cubin"))
     assert gpu.module_path("pack", cc) == path and not calls
 
 
@@ -126,7 +126,7 @@ def test_flushed_subnormals_are_reported(g, monkeypatch):
     def flushing_div(x, d):
         x[...] = cp.asarray(np.where(np.abs(x.get()) < np.float32(2.0 ** -126), 0, x.get() / 2).astype(F32))
 
-    monkeypatch.setattr(gpu, "div_f32", flushing_div)
+    monkeypatch.setattr(gpu.verify, "div_f32", flushing_div)
     with pytest.raises(RuntimeError, match="flush subnormals to zero.*compiled with"):
         gpu.check_subnormals()
 
@@ -957,9 +957,9 @@ def test_sparse_compress_small_grids(g, monkeypatch):
     runs of several tiles per thread, 32-thread blocks zero and flush the shared
     histograms in strides. Same bits as the CPU."""
     cp, gpu = g
-    monkeypatch.setattr(gpu, "THREADS", 32)
-    monkeypatch.setattr(gpu, "_sp_grid_hist", lambda n: (2,))
-    monkeypatch.setattr(gpu, "_sp_grid_tiles", lambda ntiles: (1,))
+    monkeypatch.setattr(gpu.launch, "THREADS", 32)
+    monkeypatch.setattr(gpu.sparse, "_sp_grid_hist", lambda n: (2,))
+    monkeypatch.setattr(gpu.sparse, "_sp_grid_tiles", lambda ntiles: (1,))
     n = 50000                                    # 49 tiles of 1024: 2 per scan thread
     x = gen(n, 31)
     x[::3] = F32(0.25)                           # ties at the threshold in every tile

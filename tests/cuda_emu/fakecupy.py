@@ -629,13 +629,13 @@ def __getattr__(name):
 
 def install():
     """Stand in for cupy and cupyx in sys.modules (``import cupy``, ``import cupyx``,
-    ``from cupy.cuda import nccl``), and in gradfuse.gpu; returns this module."""
+    ``from cupy.cuda import nccl``), and in gradfuse.gpu.loader; returns this module."""
     import sys
     this = sys.modules[__name__]
     sys.modules["cupy"] = this
     sys.modules["cupyx"] = cupyx
     sys.modules["cupy.cuda"] = cuda
     sys.modules["cupy.cuda.nccl"] = cuda.nccl
-    from gradfuse import gpu
-    gpu._cp = this
+    from gradfuse.gpu import loader
+    loader._cp = this
     return this
