@@ -1,6 +1,6 @@
 """Negotiated collectives beyond the fused allreduce: numpy in, numpy out, no framework.
 
-Every function here describes its call as a ``gradfuse.control.Request`` (names,
+Every function here describes its call as a ``gradfuse.runtime.control.Request`` (names,
 shapes, dtypes and every option that must match: op, root rank, scale factors, the
 ranks of the communicator) and runs on the communicator's one communication thread
 after all ranks agreed. A mismatch, an invalid root rank or an unsupported dtype thus

@@ -1,5 +1,5 @@
 """A test-only DLPack producer: capsules over any memory, built with ctypes from the
-struct definitions of ``gradfuse.intake`` (the one place they are written).
+struct definitions of ``gradfuse.fusion.intake`` (the one place they are written).
 
 ``make_capsule`` gives a legacy ``"dltensor"`` or a DLPack 1.x ``"dltensor_versioned"``
 capsule, with any flags and version (to test what numpy < 2 cannot produce: versioned,
@@ -20,7 +20,7 @@ READ_ONLY = intake.DLPACK_FLAG_BITMASK_READ_ONLY
 IS_COPIED = intake.DLPACK_FLAG_BITMASK_IS_COPIED
 
 # private prototypes: setting argtypes on ctypes.pythonapi's shared function objects would
-# change them for gradfuse.intake too
+# change them for gradfuse.fusion.intake too
 _new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
     ("PyCapsule_New", ctypes.pythonapi))
 # the capsule destructor runs while the capsule is being freed: no Python object for it

@@ -1,4 +1,4 @@
-"""gradfuse.intake: buffer protocol, DLPack capsules, CUDA array interface."""
+"""gradfuse.fusion.intake: buffer protocol, DLPack capsules, CUDA array interface."""
 import gc
 import os
 import sys

@@ -1,4 +1,4 @@
-"""A rank that dies mid-training never leaves the others hanging (gradfuse.watchdog).
+"""A rank that dies mid-training never leaves the others hanging (gradfuse.runtime.watchdog).
 
 Each test launches tests/scripts/die.py under ``mpiexec -l -n N`` with a small
 GRADFUSE_STALL_TIMEOUT_S. The last rank dies at step 3 while the others are inside or

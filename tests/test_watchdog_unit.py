@@ -1,4 +1,4 @@
-"""gradfuse.watchdog pieces that need no MPI job (the job-level tests: test_rank_death.py)."""
+"""gradfuse.runtime.watchdog pieces that need no MPI job (the job-level tests: test_rank_death.py)."""
 import numpy as np
 import pytest
 

@@ -7,7 +7,7 @@ For each bucket and rank, with residual ``e`` (zero at the start):
     e = c - decompress(payload)    # float32 subtract
 
 so what a step fails to send is added to the next step's gradient. The residual is kept
-per rank and per fusion bucket (gradfuse.state). A compressor's fused kernel may do all of
+per rank and per fusion bucket (gradfuse.compressors.state). A compressor's fused kernel may do all of
 this in one pass over the gradients, but must give the bits of this reference path; the
 tests compare the two for every built-in compressor.
 

@@ -1,2 +1,3 @@
 """The process-wide runtime: one context (communication thread and control plane) per
-communicator, the agreement protocol, the watchdog and the timeline."""
+communicator, the agreement protocol, the watchdog, async matching by name and the
+timeline."""

@@ -89,7 +89,7 @@ def init(comm=None, install_hooks=None):
     Args:
         comm: a gradfuse Communicator or an mpi4py Intracomm; None for COMM_WORLD.
         install_hooks: install the rank-death hooks and the watchdog of
-            ``gradfuse.watchdog`` (an MPI communicator of more than one rank only).
+            ``gradfuse.runtime.watchdog`` (an MPI communicator of more than one rank only).
             None (default) reads ``GRADFUSE_HOOKS`` (unset or 1: yes, 0: no).
     """
     global _default

@@ -54,7 +54,7 @@ class Engine:
     def __init__(self, name="gradfuse-comm"):
         self._queue = queue.SimpleQueue()
         # (name, time.monotonic() at start) of the job running now, else None;
-        # read by gradfuse.watchdog to find collectives that run too long
+        # read by gradfuse.runtime.watchdog to find collectives that run too long
         self.inflight = None
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()

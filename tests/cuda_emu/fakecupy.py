@@ -602,7 +602,7 @@ _CAPSULES = None
 
 def _cuda_capsule(arr, versioned=True):
     """A kDLCUDA capsule over ``arr`` ("dltensor_versioned" or legacy "dltensor"), built by
-    tests/dlpack_capsules.py on gradfuse.intake's structs (which keeps ``arr`` alive)."""
+    tests/dlpack_capsules.py on gradfuse.fusion.intake's structs (which keeps ``arr`` alive)."""
     global _CAPSULES
     if _CAPSULES is None:
         import importlib.util

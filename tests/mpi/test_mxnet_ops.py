@@ -11,6 +11,7 @@ mx = pytest.importorskip("mxnet")
 from mxnet.base import MXNetError  # noqa: E402
 
 import gradfuse.mxnet as hvd  # noqa: E402
+from gradfuse.mxnet import basics as hvd_basics  # noqa: E402
 from gradfuse.errors import MismatchError, RemoteInputError  # noqa: E402
 
 FLOATS = ["float16", "float32", "float64"]
@@ -323,7 +324,7 @@ def test_process_sets_from_mpi_communicators(world):
         out = hvd.allreduce(mx.nd.ones((2,)) * (world.rank + 1), op=hvd.Sum, name="ps.comm", process_set=ps)
         np.testing.assert_array_equal(out.asnumpy(), np.full(2, sum(r + 1 for r in mine)))
     finally:
-        for p in list(hvd._state["sets"].values()):
+        for p in list(hvd_basics._state["sets"].values()):
             hvd.remove_process_set(p)
         sub.Free()
 
