@@ -44,7 +44,7 @@ from .fusion.backend import HOST, CudaBackend
 from .fusion.plan import FusionPlan, parse_signature
 from .runtime import context as runtime
 from .runtime.control import Request
-from .step import Stats, Step, StepConfig
+from .step import NONFINITE, Stats, Step, StepConfig
 
 _PLAN_CACHE = 8
 
@@ -78,6 +78,12 @@ class Pipeline:
             default (``gradfuse.init()``, i.e. ``MPI.COMM_WORLD``).
         direct_threshold: tensors of at least this many bytes are reduced in place
             without packing (default: the fusion threshold).
+        nonfinite: what a compressed step with NaN/Inf in any rank's gradients does:
+            ``"raise"`` (default): ``NonFiniteError`` on every rank, nothing written;
+            ``"skip"``: every float output of the call becomes NaN on every rank (a
+            dynamic loss scaler sees the overflow and skips the step), residuals and the
+            compressor's step counter stay as they were, ``stats.nonfinite_steps``
+            counts it. Uncompressed buckets sum NaN/Inf as the MPI library does.
 
     Example:
         >>> pipe = gradfuse.Pipeline()
@@ -85,7 +91,7 @@ class Pipeline:
     """
 
     def __init__(self, compress=None, fusion_threshold=None, average=True, comm=None,
-                 direct_threshold=None, **compressor_options):
+                 direct_threshold=None, nonfinite="raise", **compressor_options):
         self._compressor = _compressors.create(compress, **compressor_options)
         self._fusion_threshold = config.fusion_threshold(fusion_threshold)
         if direct_threshold is not None:
@@ -94,6 +100,9 @@ class Pipeline:
         if not isinstance(average, (bool, np.bool_)):
             raise TypeError(f"average must be True or False, got {average!r}")
         self._average = bool(average)
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
+        self._nonfinite = nonfinite
         self._lock = threading.Lock()
         self._ctx = runtime.context(comm)
         self.comm = self._ctx.comm
@@ -101,7 +110,8 @@ class Pipeline:
         self.stats = Stats()
         self.state = CompressionState()
         self._backends = {}          # GPU id -> CudaBackend
-        self._cfg = StepConfig(self._ctx, self._compressor, self._average, self.state, self.stats)
+        self._cfg = StepConfig(self._ctx, self._compressor, self._average, self.state, self.stats,
+                               nonfinite)
 
     # Read-only: plans, agreement digests and residuals are built from these, so a
     # pipeline's configuration is fixed at construction (make a new Pipeline to change it).
@@ -110,6 +120,7 @@ class Pipeline:
     direct_threshold = property(lambda self: self._direct_threshold,
                                 doc="Tensors of at least this many bytes are reduced in place.")
     average = property(lambda self: self._average, doc="Whether results are averaged.")
+    nonfinite = property(lambda self: self._nonfinite, doc='What a non-finite compressed step does.')
 
     # --- public API ---------------------------------------------------------------
     def allreduce(self, grads, out=None, names=None):
@@ -170,7 +181,8 @@ class Pipeline:
     def get_config(self):
         """The options that reproduce this pipeline: ``Pipeline(**get_config())``."""
         cfg = {"compress": self.compressor.name, "fusion_threshold": self.fusion_threshold,
-               "average": self.average, "direct_threshold": self.direct_threshold}
+               "average": self.average, "direct_threshold": self.direct_threshold,
+               "nonfinite": self.nonfinite}
         cfg.update({k: v for k, v in self.compressor.get_config().items() if k != "name"})
         return cfg
 
@@ -184,9 +196,12 @@ class Pipeline:
         self._ctx.coordinator.negotiate(request, self._cfg.step_tag())      # raises on every rank
 
     def _options(self):
-        return {"average": self.average, "compress": self.compressor.get_config(),
+        opts = {"average": self.average, "compress": self.compressor.get_config(),
                 "fusion_threshold": self.fusion_threshold,
                 "direct_threshold": self.direct_threshold}
+        if self.nonfinite != "raise":     # the default adds nothing: residual keys stay as they were
+            opts["nonfinite"] = self.nonfinite
+        return opts
 
     def _prepare(self, grads, out, names):
         """The caller's half of a step: inputs, then the plan, then outputs; a ``Step``."""

@@ -25,9 +25,11 @@ from . import dtypes as _dt
 from .compressors.base import BucketContext
 from .compressors.exchange import BucketTask, job_class, ring_bytes
 from .errors import NonFiniteError
+from .fusion.staging import F16, staging
 from .fusion.tables import as_ndarray
 
 _F32 = _dt.CODE[np.dtype(np.float32)]
+NONFINITE = ("raise", "skip")
 
 
 class Stats:
@@ -58,13 +60,14 @@ class Stats:
 
 class StepConfig:
     """What every step of one pipeline shares: its runtime context, compressor, averaging
-    rule, compression state (residuals, step counter) and counters."""
+    rule, compression state (residuals, step counter), counters, and what a compressed
+    step with NaN/Inf does (``nonfinite``: "raise" or "skip")."""
 
-    __slots__ = ("ctx", "compressor", "average", "state", "stats")
+    __slots__ = ("ctx", "compressor", "average", "state", "stats", "nonfinite")
 
-    def __init__(self, ctx, compressor, average, state, stats):
+    def __init__(self, ctx, compressor, average, state, stats, nonfinite="raise"):
         self.ctx, self.compressor, self.average = ctx, compressor, average
-        self.state, self.stats = state, stats
+        self.state, self.stats, self.nonfinite = state, stats, nonfinite
 
     def step_tag(self):
         """What of the compressor state the ranks must agree on: its step counter (it drives
@@ -82,7 +85,7 @@ class Step:
     """
 
     __slots__ = ("cfg", "entry", "src", "dst", "tables", "in_objs", "out_objs", "result", "ready",
-                 "inplace")
+                 "inplace", "staged")
 
     def __init__(self, cfg, entry, inputs, outputs):
         plan, bk = entry.plan, entry.bk
@@ -99,6 +102,7 @@ class Step:
         self.cfg, self.entry = cfg, entry
         self.in_objs, self.out_objs = in_objs, out_objs
         self.result, self.ready = outputs.result, outputs.ready
+        self.staged = {}          # bucket index -> float32 Staging of a compressed float16 bucket
 
     def __call__(self):
         cfg, bk = self.cfg, self.entry.bk
@@ -131,7 +135,8 @@ class Step:
                 exchange(job)
             if jobs:
                 cfg.state.claim_done(self.entry.state_key)
-            check_finite(self, jobs)
+            if not check_finite(self, jobs):
+                return skip(self, comm)
         # one rank, in place: the sum (and the mean) of one tensor is the tensor itself
         plain = () if comm.size == 1 and self.inplace else plan.buckets
         for b in plain:
@@ -147,6 +152,8 @@ class Step:
             cfg.stats.bytes_sent += ring_bytes(b.nbytes, comm.size)
         for job in jobs.values():
             decode(job)
+            if job.bucket.index in self.staged:
+                self.staged[job.bucket.index].store(self.dst, self.tables)
             cfg.stats.bytes_reduced += job.bucket.nbytes
         if not cfg.compressor.lossless:
             cfg.state.step += 1
@@ -196,9 +203,11 @@ def reduce_direct(step, comm, b, divide, size):
 
 
 def compressed_jobs(step, comm, divisor):
-    """One exchange job per float32 bucket, {bucket index: job}; {} during warm-up.
+    """One exchange job per float32 or float16 bucket, {bucket index: job}; {} during warm-up.
 
-    Other dtypes go uncompressed (compressors work on float32). Each job class says which
+    Other dtypes go uncompressed. A float16 bucket is upcast into a float32 staging array
+    first (``gradfuse.fusion.staging``: the job reads and writes the staging array, and
+    ``Step.run`` rounds the result back once after decoding). Each job class says which
     residuals it keeps, and the bucket's residual state is sized from that.
     """
     cfg, entry = step.cfg, step.entry
@@ -208,13 +217,17 @@ def compressed_jobs(step, comm, divisor):
     off, cnt = step.tables.elem_offsets, step.tables.counts
     jobs = {}
     for b in entry.plan.buckets:
-        if b.code != _F32:
+        if b.code not in (_F32, F16):
             continue
+        src, dst = (step.src, off, cnt, b.lo, b.hi), (step.dst, off, cnt, b.lo, b.hi)
+        if b.code == F16:
+            st = step.staged[b.index] = staging(entry.wire, bk, b, entry.plan)
+            st.load(step.src, step.tables)
+            src = dst = st.table(step.tables)
         job = job_class(comp, b.count, comm.size)
         n_res, n_server = job.residual_sizes(comp, b.count, comm)
         residual = state.bucket((entry.state_key, b.index), n_res, n_server, job.algorithm, bk)
-        task = BucketTask(comm=comm, compressor=comp, bucket=b, src=(step.src, off, cnt, b.lo, b.hi),
-                          dst=(step.dst, off, cnt, b.lo, b.hi), residual=residual,
+        task = BucketTask(comm=comm, compressor=comp, bucket=b, src=src, dst=dst, residual=residual,
                           ctx=BucketContext(bucket=b.index, step=state.step, device=bk.device),
                           divisor=divisor, cache=entry.wire.setdefault(b.index, {}), stats=cfg.stats,
                           backend=bk)
@@ -238,12 +251,16 @@ def decode(job):
 
 
 def check_finite(step, jobs):
-    """Raise ``NonFiniteError`` (on every rank alike) if any rank saw NaN/Inf in a bucket."""
+    """True when no rank saw NaN/Inf in a compressed bucket (the verdict is the same on
+    every rank: it travels with the payloads). Otherwise, with ``nonfinite="raise"``,
+    raise ``NonFiniteError`` on every rank alike; with "skip", return False."""
     bad = [j for j in jobs.values() if j.nonfinite_ranks]
     if not bad:
-        return
+        return True
     cfg, entry = step.cfg, step.entry
     cfg.stats.nonfinite_steps += 1
+    if cfg.nonfinite == "skip":
+        return False
     cfg.stats.failed_steps += 1
     parts = []
     for j in bad:
@@ -256,3 +273,30 @@ def check_finite(step, jobs):
     raise NonFiniteError(f"{cfg.compressor.name}: NaN/Inf in the step's gradients; the step was refused on "
                          f"every rank, no result was written and the residuals are unchanged: "
                          + "; ".join(parts))
+
+
+def skip(step, comm):
+    """A compressed step that saw NaN/Inf, with ``nonfinite="skip"``: every float output
+    of the call becomes NaN on every rank (a dynamic loss scaler sees the overflow and
+    skips the optimizer step), integer tensors are still summed, no residual changes and
+    the compressor's step counter stays (the step did not happen)."""
+    cfg, plan, bk, t = step.cfg, step.entry.plan, step.entry.bk, step.tables
+    for b in plan.buckets:
+        dtype = _dt.DTYPE[b.code]
+        if b.code not in _dt.FLOAT_CODES:
+            if b.direct:
+                reduce_direct(step, comm, b, False, 1.0)
+            else:
+                pack(step, b)
+                reduce(step, comm, b)
+                unpack(step, b, False, 1.0)
+            continue
+        if b.direct:
+            step.out_objs[int(plan.order[b.lo])][...] = dtype.type(np.nan)
+        else:
+            bk.xp.asarray(b.buffer).view(dtype)[...] = dtype.type(np.nan)
+            bk.unpack(b.buffer, step.dst, t.offsets, t.nbytes, b.lo, b.hi)
+    cfg.stats.steps += 1
+    cfg.stats.tensors += len(step.entry.names)
+    cfg.stats.buckets += len(plan.buckets)
+    return step.result
