@@ -35,16 +35,16 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import compressors as _compressors
 from . import config
 from . import dtypes as _dt
+from .compressors.policy import LayerPolicy
 from .compressors.state import CompressionState, load_npz, save_npz
 from .fusion import tables
 from .fusion.backend import HOST, CudaBackend
 from .fusion.plan import FusionPlan, parse_signature
 from .runtime import context as runtime
 from .runtime.control import Request
-from .step import NONFINITE, Stats, Step, StepConfig
+from .step import COMPRESSIBLE, NONFINITE, Stats, Step, StepConfig
 
 _PLAN_CACHE = 8
 
@@ -68,9 +68,14 @@ class Pipeline:
     """Fused (and, with a compressor, compressed) gradient allreduce.
 
     Args:
-        compress: compressor name (see ``gradfuse.compressors.available()``) or instance.
-            ``None``/``"none"`` uses the MPI library's own allreduce, bit-identical to a
-            per-tensor ``MPI.Allreduce``.
+        compress: compressor name (see ``gradfuse.compressors.available()``), instance or
+            ``get_config()`` dict; ``None``/``"none"`` uses the MPI library's own
+            allreduce, bit-identical to a per-tensor ``MPI.Allreduce``. Or a layer policy:
+            a dict of name patterns to compressors, first match wins, ``None`` for
+            uncompressed, e.g. ``{"*.bias": None, "*": "1bit"}``
+            (``gradfuse.compressors.policy``).
+        min_elements: tensors with fewer elements go uncompressed, in buckets of their
+            own (default 0: off).
         fusion_threshold: bucket size limit in bytes; default ``GRADFUSE_FUSION_THRESHOLD``
             or 1 MiB (measured, see docs/benchmarks.md). 0 turns fusion off.
         average: divide the sum by the number of ranks (sum first, then divide).
@@ -91,8 +96,9 @@ class Pipeline:
     """
 
     def __init__(self, compress=None, fusion_threshold=None, average=True, comm=None,
-                 direct_threshold=None, nonfinite="raise", **compressor_options):
-        self._compressor = _compressors.create(compress, **compressor_options)
+                 direct_threshold=None, nonfinite="raise", min_elements=0, **compressor_options):
+        self._policy = LayerPolicy.create(compress, min_elements, **compressor_options)
+        self._compressor = self._policy.main
         self._fusion_threshold = config.fusion_threshold(fusion_threshold)
         if direct_threshold is not None:
             direct_threshold = config.fusion_threshold(direct_threshold)
@@ -110,12 +116,14 @@ class Pipeline:
         self.stats = Stats()
         self.state = CompressionState()
         self._backends = {}          # GPU id -> CudaBackend
-        self._cfg = StepConfig(self._ctx, self._compressor, self._average, self.state, self.stats,
+        self._cfg = StepConfig(self._ctx, self._policy, self._average, self.state, self.stats,
                                nonfinite)
 
     # Read-only: plans, agreement digests and residuals are built from these, so a
     # pipeline's configuration is fixed at construction (make a new Pipeline to change it).
-    compressor = property(lambda self: self._compressor, doc="The compressor (fixed at construction).")
+    compressor = property(lambda self: self._compressor,
+                          doc="The compressor (with a layer policy: its first lossy one).")
+    policy = property(lambda self: self._policy, doc="Which compressor each tensor gets (a LayerPolicy).")
     fusion_threshold = property(lambda self: self._fusion_threshold, doc="Bucket size limit in bytes.")
     direct_threshold = property(lambda self: self._direct_threshold,
                                 doc="Tensors of at least this many bytes are reduced in place.")
@@ -160,14 +168,14 @@ class Pipeline:
         Plain numpy arrays and JSON-able values; ``load_state_dict`` restores it bit-exactly.
         Each rank saves and loads its own (see ``save_state``).
         """
-        return self.state.state_dict(self.compressor.get_config(), self.comm.size, self.comm.rank)
+        return self.state.state_dict(self._policy.get_config(), self.comm.size, self.comm.rank)
 
     def load_state_dict(self, sd):
         """Restore a ``state_dict()``. A state from another world size or compressor config
         is reset with a warning; a residual is only applied to the bucket it was saved for
         (a changed layout is reported by a warning at the next compressed step). Every rank
         must restore the same step. Returns True if the state was restored."""
-        return self.state.load_state_dict(sd, self.compressor.get_config(), self.comm.size, self.comm.rank)
+        return self.state.load_state_dict(sd, self._policy.get_config(), self.comm.size, self.comm.rank)
 
     def save_state(self, path):
         """Save this rank's state to ``path`` (numpy .npz, no pickle). Call it on every rank
@@ -180,14 +188,15 @@ class Pipeline:
 
     def get_config(self):
         """The options that reproduce this pipeline: ``Pipeline(**get_config())``."""
-        cfg = {"compress": self.compressor.name, "fusion_threshold": self.fusion_threshold,
+        cfg = {"compress": self._policy.describe(), "fusion_threshold": self.fusion_threshold,
                "average": self.average, "direct_threshold": self.direct_threshold,
-               "nonfinite": self.nonfinite}
-        cfg.update({k: v for k, v in self.compressor.get_config().items() if k != "name"})
+               "nonfinite": self.nonfinite, "min_elements": self._policy.min_elements}
+        if self._policy.single:
+            cfg.update({k: v for k, v in self.compressor.get_config().items() if k != "name"})
         return cfg
 
     def __repr__(self):
-        return (f"Pipeline(compress={self.compressor.name!r}, fusion_threshold={self.fusion_threshold}, "
+        return (f"Pipeline(compress={self._policy.describe()!r}, fusion_threshold={self.fusion_threshold}, "
                 f"average={self.average}, comm={self.comm!r})")
 
     # --- internals ----------------------------------------------------------------
@@ -196,7 +205,7 @@ class Pipeline:
         self._ctx.coordinator.negotiate(request, self._cfg.step_tag())      # raises on every rank
 
     def _options(self):
-        opts = {"average": self.average, "compress": self.compressor.get_config(),
+        opts = {"average": self.average, "compress": self._policy.get_config(),
                 "fusion_threshold": self.fusion_threshold,
                 "direct_threshold": self.direct_threshold}
         if self.nonfinite != "raise":     # the default adds nothing: residual keys stay as they were
@@ -238,8 +247,11 @@ class Pipeline:
                 if c not in _dt.FLOAT_CODES:
                     raise TypeError(f"tensor {name!r}: average=True needs a float dtype, got "
                                     f"{_dt.name(c)} (use average=False to sum integers)")
-        plan = FusionPlan(codes, inputs.nbytes.tolist(), self.fusion_threshold, self.direct_threshold,
-                          alloc=bk.empty_bytes)
+        sizes = inputs.nbytes.tolist()
+        counts = [nb // _dt.DTYPE[c].itemsize for nb, c in zip(sizes, codes)]
+        groups = self._policy.groups(names, counts, codes, COMPRESSIBLE)
+        plan = FusionPlan(codes, sizes, self.fusion_threshold, self.direct_threshold,
+                          alloc=bk.empty_bytes, groups=groups)
         dtypes = [_dt.name(c) for c in codes]
         request = Request("allreduce", names, shapes, dtypes, dict(self._options(), device=bk.device))
         state_key = Request("allreduce", names, shapes, dtypes, self._options()).digest.hex()

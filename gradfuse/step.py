@@ -29,6 +29,7 @@ from .fusion.staging import F16, staging
 from .fusion.tables import as_ndarray
 
 _F32 = _dt.CODE[np.dtype(np.float32)]
+COMPRESSIBLE = (_F32, F16)        # the dtypes compressors take (float16 through float32 staging)
 NONFINITE = ("raise", "skip")
 
 
@@ -59,9 +60,10 @@ class Stats:
 
 
 class StepConfig:
-    """What every step of one pipeline shares: its runtime context, compressor, averaging
-    rule, compression state (residuals, step counter), counters, and what a compressed
-    step with NaN/Inf does (``nonfinite``: "raise" or "skip")."""
+    """What every step of one pipeline shares: its runtime context, compressors (a
+    ``LayerPolicy``: a bucket's ``group`` indexes its ``compressors``), averaging rule,
+    compression state (residuals, step counter), counters, and what a compressed step
+    with NaN/Inf does (``nonfinite``: "raise" or "skip")."""
 
     __slots__ = ("ctx", "compressor", "average", "state", "stats", "nonfinite")
 
@@ -203,21 +205,21 @@ def reduce_direct(step, comm, b, divide, size):
 
 
 def compressed_jobs(step, comm, divisor):
-    """One exchange job per float32 or float16 bucket, {bucket index: job}; {} during warm-up.
+    """One exchange job per compressed bucket, {bucket index: job}.
 
-    Other dtypes go uncompressed. A float16 bucket is upcast into a float32 staging array
+    A bucket is compressed when its group's compressor is lossy, its dtype float32 or
+    float16, and that compressor's ``warmup_steps`` are over; the others go uncompressed. A float16 bucket is upcast into a float32 staging array
     first (``gradfuse.fusion.staging``: the job reads and writes the staging array, and
     ``Step.run`` rounds the result back once after decoding). Each job class says which
     residuals it keeps, and the bucket's residual state is sized from that.
     """
     cfg, entry = step.cfg, step.entry
-    comp, state, bk = cfg.compressor, cfg.state, entry.bk
-    if state.step < comp.warmup_steps:
-        return {}
+    state, bk = cfg.state, entry.bk
     off, cnt = step.tables.elem_offsets, step.tables.counts
     jobs = {}
     for b in entry.plan.buckets:
-        if b.code not in (_F32, F16):
+        comp = cfg.compressor.compressors[b.group]
+        if comp.lossless or b.code not in COMPRESSIBLE or state.step < comp.warmup_steps:
             continue
         src, dst = (step.src, off, cnt, b.lo, b.hi), (step.dst, off, cnt, b.lo, b.hi)
         if b.code == F16:

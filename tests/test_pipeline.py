@@ -142,7 +142,7 @@ def test_get_config_round_trips(comm):
     pipe = gradfuse.Pipeline(comm=comm, fusion_threshold=12345, average=False)
     cfg = pipe.get_config()
     assert cfg == {"compress": "none", "fusion_threshold": 12345, "average": False, "direct_threshold": None,
-                   "nonfinite": "raise"}
+                   "nonfinite": "raise", "min_elements": 0}
     again = gradfuse.Pipeline(comm=comm, **cfg)
     assert again.get_config() == cfg
     assert "fusion_threshold=12345" in repr(pipe)

@@ -52,12 +52,13 @@ def parse_signature(sig):
 class Bucket:
     """A run ``lo:hi`` of the plan's table reduced by one collective call."""
 
-    __slots__ = ("index", "code", "lo", "hi", "nbytes", "direct", "buffer")
+    __slots__ = ("index", "code", "lo", "hi", "nbytes", "direct", "buffer", "group")
 
-    def __init__(self, index, code, lo, hi, nbytes, direct):
+    def __init__(self, index, code, lo, hi, nbytes, direct, group=0):
         self.index, self.code, self.lo, self.hi = index, code, lo, hi
         self.nbytes, self.direct = nbytes, direct
         self.buffer = None
+        self.group = group      # which of the pipeline's compressors reduces it (0: none)
 
     @property
     def dtype(self):
@@ -87,32 +88,36 @@ class FusionPlan:
         buckets: list of ``Bucket`` in execution order.
 
     ``alloc(nbytes)`` makes the fusion buffers (default: 64-byte-aligned host memory; the
-    GPU path passes a device allocator).
+    GPU path passes a device allocator). ``groups``: per tensor, the index of the
+    compressor that reduces it (a layer policy); tensors of different groups never share
+    a bucket. None: one group.
     """
 
-    def __init__(self, codes, sizes, fusion_threshold, direct_threshold=None, alloc=None):
+    def __init__(self, codes, sizes, fusion_threshold, direct_threshold=None, alloc=None, groups=None):
         if direct_threshold is None:
             direct_threshold = fusion_threshold
         self.fusion_threshold = int(fusion_threshold)
         self.direct_threshold = int(direct_threshold)
-        groups = []          # [first_index, code, [tensor indices], nbytes, direct]
-        open_by_code = {}
+        tensor_group = groups if groups is not None else [0] * len(codes)
+        groups = []          # [first_index, code, [tensor indices], nbytes, direct, compressor group]
+        open_by_key = {}
         for i, (code, nb) in enumerate(zip(codes, sizes)):
             if nb == 0:
                 continue
+            cg = tensor_group[i]
             if self.fusion_threshold == 0 or nb >= self.direct_threshold:
-                groups.append([i, code, [i], nb, True])
+                groups.append([i, code, [i], nb, True, cg])
                 continue
-            g = open_by_code.get(code)
+            g = open_by_key.get((code, cg))
             if g is None or g[3] + nb > self.fusion_threshold:
-                g = [i, code, [], 0, False]
+                g = [i, code, [], 0, False, cg]
                 groups.append(g)
-                open_by_code[code] = g
+                open_by_key[(code, cg)] = g
             g[2].append(i)
             g[3] += nb
         groups.sort(key=lambda g: g[0])
         order, offsets, nbytes, buckets = [], [], [], []
-        for gi, (_, code, members, total, direct) in enumerate(groups):
+        for gi, (_, code, members, total, direct, cg) in enumerate(groups):
             lo = len(order)
             off = 0
             for i in members:
@@ -120,7 +125,7 @@ class FusionPlan:
                 offsets.append(off)
                 nbytes.append(sizes[i])
                 off += sizes[i]
-            b = Bucket(gi, code, lo, len(order), total, direct)
+            b = Bucket(gi, code, lo, len(order), total, direct, cg)
             if not direct:
                 b.buffer = (alloc or aligned_empty)(total)
             buckets.append(b)
