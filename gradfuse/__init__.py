@@ -14,8 +14,10 @@ from .errors import GradfuseError, MismatchError, NonFiniteError, RemoteInputErr
 from .pipeline import Pipeline
 from .runtime.context import (cross_rank, cross_size, init, is_initialized, local_rank, local_size,
                               rank, size)
+from .runtime.control import StallWarning
 from .runtime.engine import Handle
 
 __all__ = ["Pipeline", "Handle", "init", "is_initialized", "rank", "size", "local_rank",
            "local_size", "cross_rank", "cross_size", "comm", "compressors", "register_compressor",
-           "GradfuseError", "MismatchError", "NonFiniteError", "RemoteInputError", "StallError"]
+           "GradfuseError", "MismatchError", "NonFiniteError", "RemoteInputError", "StallError",
+           "StallWarning"]
