@@ -253,3 +253,4 @@ _init_simd_from_env()
 include "kernels/_cast.pxi"
 include "kernels/_quant.pxi"
 include "kernels/_sparse.pxi"
+include "kernels/_momentum.pxi"

@@ -22,6 +22,7 @@ caller's stream (the gradients' producer), and the step synchronizes before it r
 import numpy as np
 
 from . import dtypes as _dt
+from .compressors import momentum as _momentum
 from .compressors.base import BucketContext
 from .compressors.exchange import BucketTask, job_class, ring_bytes
 from .errors import NonFiniteError
@@ -130,9 +131,12 @@ class Step:
         divide = average and comm.size > 1
         size = float(comm.size)
         jobs = {}
+        vel = velocity_of(self)
         if not cfg.compressor.lossless:
             jobs = compressed_jobs(self, comm, size if average else 1.0)
             for job in jobs.values():
+                if vel:
+                    velocity(job, vel)
                 compress(job)
                 exchange(job)
             if jobs:
@@ -140,11 +144,13 @@ class Step:
             if not check_finite(self, jobs):
                 return skip(self, comm)
         # one rank, in place: the sum (and the mean) of one tensor is the tensor itself
-        plain = () if comm.size == 1 and self.inplace else plan.buckets
+        plain = () if comm.size == 1 and self.inplace and not vel else plan.buckets
         for b in plain:
             if b.index in jobs:
                 continue
-            if b.direct:
+            if vel and b.code in COMPRESSIBLE:
+                plain_velocity(self, comm, b, vel, divide, size)
+            elif b.direct:
                 reduce_direct(self, comm, b, divide, size)
             else:
                 pack(self, b)
@@ -216,25 +222,85 @@ def compressed_jobs(step, comm, divisor):
     cfg, entry = step.cfg, step.entry
     state, bk = cfg.state, entry.bk
     off, cnt = step.tables.elem_offsets, step.tables.counts
+    with_velocity = velocity_of(step) is not None     # DGC's momentum correction: a velocity per bucket
     jobs = {}
     for b in entry.plan.buckets:
         comp = cfg.compressor.compressors[b.group]
         if comp.lossless or b.code not in COMPRESSIBLE or state.step < comp.warmup_steps:
             continue
+        comp = _momentum.stage_compressor(comp, state.step)      # top-k/random-k's sparsity warm-up
         src, dst = (step.src, off, cnt, b.lo, b.hi), (step.dst, off, cnt, b.lo, b.hi)
         if b.code == F16:
             st = step.staged[b.index] = staging(entry.wire, bk, b, entry.plan)
             st.load(step.src, step.tables)
             src = dst = st.table(step.tables)
+        # the tensors' element counts: per-tensor formats (1-bit blocks, top-k/random-k's k
+        # per tensor) depend on them, and every rank has the same
+        counts = tuple(cnt[b.lo:b.hi].tolist())
         job = job_class(comp, b.count, comm.size)
-        n_res, n_server = job.residual_sizes(comp, b.count, comm)
-        residual = state.bucket((entry.state_key, b.index), n_res, n_server, job.algorithm, bk)
+        n_res, n_server = job.residual_sizes(comp, b.count, comm, counts=counts)
+        residual = state.bucket((entry.state_key, b.index), n_res, n_server, job.algorithm, bk,
+                                velocity=b.count if with_velocity else 0)
         task = BucketTask(comm=comm, compressor=comp, bucket=b, src=src, dst=dst, residual=residual,
-                          ctx=BucketContext(bucket=b.index, step=state.step, device=bk.device),
+                          ctx=BucketContext(bucket=b.index, step=state.step, device=bk.device, counts=counts),
                           divisor=divisor, cache=entry.wire.setdefault(b.index, {}), stats=cfg.stats,
                           backend=bk)
         jobs[b.index] = job(task)
     return jobs
+
+
+def velocity_of(step):
+    """``(m, nesterov)`` when the pipeline runs DGC's momentum correction, else None
+    (``gradfuse.compressors.momentum``). Float64 tensors cannot take a velocity: every
+    rank raises the same TypeError, naming the tensor, before any data moves."""
+    vel = _momentum.pipeline_momentum(step.cfg.compressor)
+    if vel and not step.entry.wire.get("velocity-checked"):
+        plan = step.entry.plan
+        for b in plan.buckets:
+            if b.code in _dt.FLOAT_CODES and b.code not in COMPRESSIBLE:
+                name = step.entry.names[int(plan.order[b.lo])]
+                raise TypeError(f"tensor {name!r}: momentum={vel[0]} keeps a float32 velocity for float32 and "
+                                f"float16 gradients; this one is {_dt.name(b.code)}")
+        step.entry.wire["velocity-checked"] = True
+    return vel
+
+
+def velocity(job, vel):
+    """The velocity update of a compressed bucket: the compressor then reads the velocity."""
+    job.apply_velocity(vel)
+
+
+def plain_velocity(step, comm, b, vel, divide, size):
+    """An uncompressed bucket of a momentum pipeline: its velocity ``u = m * u + g`` is
+    written where the reduction reads (the fusion buffer, or a direct tensor itself), so the
+    bucket's sum is the sum of the velocities (float16: through the float32 staging array,
+    rounded once to float16 before the sum)."""
+    cfg, entry, t, bk = step.cfg, step.entry, step.tables, step.entry.bk
+    st = cfg.state.bucket((entry.state_key, b.index), 0, 0, None, bk, velocity=b.count)
+    src, rows = step.src, len(entry.plan.order)
+    if b.code == F16:
+        sg = staging(entry.wire, bk, b, entry.plan)
+        sg.load(step.src, t)
+        src = out = sg.ptrs                   # u written over the staged gradients
+    elif b.direct:
+        out = step.dst
+    else:
+        out = _momentum.table(st, bk, _momentum.address(b.buffer), t.offsets, rows, b.lo, b.hi)
+    _momentum.update(bk, st, (src, t.elem_offsets, t.counts, b.lo, b.hi), out, vel)
+    if b.code == F16 and b.direct:
+        sg.store(step.dst, t)
+    elif b.code == F16:
+        bk.kernels.cast_to16(1, sg.f32, b.buffer.view(np.uint16))
+    if b.direct:
+        i = int(entry.plan.order[b.lo])
+        comm.allreduce_inplace(step.out_objs[i])
+        if divide:
+            bk.div_inplace(step.out_objs[i], step.dst[b.lo], entry.plan.counts[b.lo], b.code, size)
+    else:
+        reduce(step, comm, b)
+        unpack(step, b, divide, size)
+    st.commit_velocity()
+    cfg.state.claim_done(entry.state_key)
 
 
 def compress(job):

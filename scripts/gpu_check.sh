@@ -131,7 +131,7 @@ for part in kernels compile-checks comm pipeline; do
         kernels) files="tests/test_gpu_kernels.py"; want=150 ;;
         compile-checks) files="tests/test_cuda_compile.py"; want=60 ;;
         comm) files="tests/test_gpu_comm.py"; want=90 ;;
-        pipeline) files="tests/test_gpu_pipeline.py"; want=60 ;;
+        pipeline) files="tests/test_gpu_pipeline.py tests/test_gpu_momentum.py"; want=60 ;;
     esac
     say "2) GPU tests, $part (GRADFUSE_TEST_GPU=1)"
     GRADFUSE_TEST_GPU=1 step "tests $part" $want $PY -m pytest -q -p no:cacheprovider -p no:randomly \

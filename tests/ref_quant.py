@@ -25,12 +25,23 @@ def _residual_in(g, e):
     return (g + np.asarray(e, dtype=F32)).astype(F32), True
 
 
+def _segments(n, counts):
+    """(start, count) of each tensor of a bucket of n elements (counts None: one tensor)."""
+    counts = [n] if counts is None else [int(c) for c in counts]
+    if sum(counts) != n:
+        raise ValueError(f"counts sum to {sum(counts)}, the bucket has {n} elements")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64) if counts else []
+    return list(zip((int(s) for s in starts), counts))
+
+
+def onebit_sizes(counts, block):
+    """(words, scales) of a bucket with these tensor counts: sums of ceil(n_i/32), ceil(n_i/B)."""
+    return (sum(-(-int(c) // 32) for c in counts), sum(-(-int(c) // block) for c in counts))
+
+
 @_quiet
-def onebit_scales(c, block):
-    """Per-block mean |c| in the canonical order: 32 lane sums, shfl_down tree, / count."""
+def _onebit_scales_one(c, block):
     n = len(c)
-    if block < 32 or block % 32:
-        raise ValueError("block must be a multiple of 32, >= 32")
     nblocks = -(-n // block)
     a = np.zeros(nblocks * block, dtype=F32)
     a[:n] = np.abs(c)
@@ -47,28 +58,57 @@ def onebit_scales(c, block):
 
 
 @_quiet
-def onebit_compress(g, e, block):
-    """Returns (bits uint32[ceil(n/32)], scales float32[ceil(n/block)], residual or None, nbad)."""
-    c, fb = _residual_in(g, e)
-    n = len(c)
-    s = onebit_scales(c, block)
-    bit = c >= 0                                        # -0 -> True, NaN -> False
-    nw = -(-n // 32)
+def onebit_scales(c, block, counts=None):
+    """Per-block mean |c| in the canonical order: 32 lane sums, shfl_down tree, / count.
+    Blocks restart at every tensor (``counts``: the bucket's tensor element counts)."""
+    if block < 32 or block % 32:
+        raise ValueError("block must be a multiple of 32, >= 32")
+    parts = [_onebit_scales_one(c[s:s + m], block) for s, m in _segments(len(c), counts)]
+    return np.concatenate(parts).astype(F32) if parts else np.zeros(0, F32)
+
+
+def _pack_bits(bit):
+    nw = -(-len(bit) // 32)
     padded = np.zeros(nw * 32, dtype=bool)
-    padded[:n] = bit
-    bits = np.packbits(padded, bitorder="little").view("<u4").astype(np.uint32) if nw else \
+    padded[:len(bit)] = bit
+    return np.packbits(padded, bitorder="little").view("<u4").astype(np.uint32) if nw else \
         np.zeros(0, dtype=np.uint32)
-    sj = np.repeat(s, block)[:n]
+
+
+@_quiet
+def onebit_compress(g, e, block, counts=None):
+    """Returns (bits uint32[sum ceil(n_i/32)], scales float32[sum ceil(n_i/block)],
+    residual or None, nbad). Each tensor's bits start on a new word, its blocks on a new
+    scale (docs/compressors.md); ``counts`` None: one tensor."""
+    c, fb = _residual_in(g, e)
+    s = onebit_scales(c, block, counts)
+    bit = c >= 0                                        # -0 -> True, NaN -> False
+    words, sj = [], []
+    si = 0
+    for st, m in _segments(len(c), counts):
+        words.append(_pack_bits(bit[st:st + m]))
+        nb = -(-m // block)
+        sj.append(np.repeat(s[si:si + nb], block)[:m])
+        si += nb
+    bits = np.concatenate(words).astype(np.uint32) if words else np.zeros(0, np.uint32)
+    sj = np.concatenate(sj).astype(F32) if sj else np.zeros(0, F32)
     v = np.where(bit, sj, -sj).astype(F32)
     res = (c - v).astype(F32) if fb else None
     nbad = int(np.count_nonzero(~np.isfinite(s)))
     return bits, s, res, nbad
 
 
-def onebit_decode(bits, scales, block, n):
-    bit = np.unpackbits(np.asarray(bits, dtype="<u4").view(np.uint8), bitorder="little")[:n]
-    sj = np.repeat(np.asarray(scales, dtype=F32), block)[:n]
-    return np.where(bit.astype(bool), sj, -sj).astype(F32)
+def onebit_decode(bits, scales, block, n, counts=None):
+    bits = np.asarray(bits, dtype="<u4")
+    scales = np.asarray(scales, dtype=F32)
+    out, w, si = [], 0, 0
+    for _, m in _segments(n, counts):
+        nw, nb = -(-m // 32), -(-m // block)
+        bit = np.unpackbits(bits[w:w + nw].view(np.uint8), bitorder="little")[:m]
+        sj = np.repeat(scales[si:si + nb], block)[:m]
+        out.append(np.where(bit.astype(bool), sj, -sj).astype(F32))
+        w, si = w + nw, si + nb
+    return np.concatenate(out).astype(F32) if out else np.zeros(0, F32)
 
 
 def _sum_div(vals, divisor):
@@ -81,9 +121,9 @@ def _sum_div(vals, divisor):
 
 
 @_quiet
-def onebit_decompress_sum(bits, scales, block, n, divisor):
+def onebit_decompress_sum(bits, scales, block, n, divisor, counts=None):
     """bits (p, nwords), scales (p, nblocks): ((v0 + v1) + ...) / float32(divisor)."""
-    return _sum_div([onebit_decode(bits[r], scales[r], block, n) for r in range(len(bits))],
+    return _sum_div([onebit_decode(bits[r], scales[r], block, n, counts) for r in range(len(bits))],
                     divisor)
 
 

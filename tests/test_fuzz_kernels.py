@@ -342,6 +342,49 @@ def test_sparse(n, kind, seed, kfrac, feedback, randomk, p, divisor, scalar):
                 core.sparse_decompress_sum_array(V, bad_idx, out, 1.0)
 
 
+@fuzz_settings(N)
+@given(tl=tensor_lists(dtypes=(np.float32,)), data=st.data(), feedback=st.booleans(), randomk=st.booleans(),
+       block=st.sampled_from([32, 64, 96, 512]), scalar=st.booleans())
+def test_per_tensor_tables(tl, data, feedback, randomk, block, scalar):
+    """Tables of tensors: 1-bit blocks and top-k/random-k selections per tensor (random k_i)."""
+    COUNTS["per_tensor_tables"] += 1
+    simd(scalar)
+    _, arrs = tl
+    ptrs, off, cnt = table(arrs, byte_sizes=False)
+    counts = [a.size for a in arrs]
+    x = np.concatenate(arrs) if arrs else EMPTY
+    n = x.size
+    seed = data.draw(seeds())
+    e = values("normal", n, seed) * F32(0.01) if feedback else None
+    eout = np.full(n if feedback else 0, 7.0, F32)
+    ks = np.array([data.draw(st.integers(0, c)) for c in counts], np.int64)
+    k = int(ks.sum())
+    vals, idx = np.full(k, -1.0, F32), np.zeros(k, np.uint32)
+    ein = e.copy() if feedback else EMPTY
+    with np.errstate(all="ignore"):
+        if randomk:
+            bad = core.randomk_compress(ptrs, off, cnt, 0, len(arrs), ein, eout, seed, ks, vals, idx)
+            wv, wi, we, wbad = ref_sparse.randomk(x, e, seed, ks, counts)
+        else:
+            bad = core.topk_compress(ptrs, off, cnt, 0, len(arrs), ein, eout, ks, vals, idx)
+            wv, wi, we, wbad = ref_sparse.topk(x, e, ks, counts)
+    same_bits(idx, wi)
+    same_bits(vals, wv)
+    assert bad == wbad
+    if feedback:
+        same_bits(eout, we)
+    nw, nb = ref_quant.onebit_sizes(counts, block)
+    bits, scales = np.full(nw, 0xDEADBEEF, np.uint32), np.full(nb, 7.0, F32)
+    ein = e.copy() if feedback else EMPTY
+    with np.errstate(all="ignore"):
+        nbad = core.onebit_compress(ptrs, off, cnt, 0, len(arrs), ein, eout, block, bits, scales)
+        wb, ws, we, wbad = ref_quant.onebit_compress(x, e, block, counts)
+    assert np.array_equal(bits, wb) and nbad == wbad
+    same_bits(scales, ws)
+    if feedback:
+        same_bits(eout, we)
+
+
 # ------------------------------------------------------------------ wrong shapes never crash
 
 @fuzz_settings(N)

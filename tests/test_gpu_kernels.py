@@ -82,6 +82,12 @@ def split_sizes(n, seed):
     return sizes
 
 
+def onebit_sizes(counts, block):
+    """Words and scales of a 1-bit payload: every tensor's own words and blocks."""
+    counts = [int(c) for c in counts]
+    return sum(-(-c // 32) for c in counts), sum(-(-c // block) for c in counts)
+
+
 def chunks(x, sizes):
     out, pos = [], 0
     for s in sizes:
@@ -305,23 +311,28 @@ def test_sum16(g, fmt):
 
 # ------------------------------------------------------------------ 1-bit
 
-def onebit_cpu(x, e, block, inplace):
+def onebit_cpu(x, e, block, inplace, table_sizes=None):
     n = x.size
-    bits = np.full(-(-n // 32), 0xDEADBEEF, U32)
-    scales = np.full(-(-n // block), 7.0, F32)
-    if e is None:
-        bad = core.onebit_compress_array(x, np.zeros(0, F32), np.zeros(0, F32), block, bits, scales)
-        return bits, scales, None, bad
-    ein = e.copy()
-    eout = ein if inplace else np.full(n, 5.0, F32)
-    bad = core.onebit_compress_array(x, ein, eout, block, bits, scales)
-    return bits, scales, eout, bad
+    nw, nb = onebit_sizes([n] if table_sizes is None else table_sizes, block)
+    bits = np.full(nw, 0xDEADBEEF, U32)
+    scales = np.full(nb, 7.0, F32)
+    z = np.zeros(0, F32)
+    ein = z if e is None else e.copy()
+    eout = z if e is None else (ein if inplace else np.full(n, 5.0, F32))
+    if table_sizes is None:
+        bad = core.onebit_compress_array(x, ein, eout, block, bits, scales)
+    else:
+        arrs = chunks(x, table_sizes)
+        ptrs, offsets, counts = host_table(arrs)
+        bad = core.onebit_compress(ptrs, offsets, counts, 0, len(arrs), ein, eout, block, bits, scales)
+    return bits, scales, (None if e is None else eout), bad
 
 
 def onebit_gpu(cp, gpu, x, e, block, inplace, table_sizes=None):
     n = x.size
-    bits = cp.full(-(-n // 32), 0xDEADBEEF, U32)
-    scales = cp.full(-(-n // block), 7.0, F32)
+    nw, nb = onebit_sizes([n] if table_sizes is None else table_sizes, block)
+    bits = cp.full(nw, 0xDEADBEEF, U32)
+    scales = cp.full(nb, 7.0, F32)
     if e is None:
         ein = eout = cp.zeros(0, F32)
     else:
@@ -339,7 +350,7 @@ def onebit_gpu(cp, gpu, x, e, block, inplace, table_sizes=None):
 
 
 def check_onebit(cp, gpu, x, e, block, inplace, table_sizes=None):
-    want = onebit_cpu(x, e, block, inplace)
+    want = onebit_cpu(x, e, block, inplace, table_sizes)
     got = onebit_gpu(cp, gpu, x, e, block, inplace, table_sizes)
     same_bits(got[0], want[0])
     same(got[1], want[1])
@@ -405,17 +416,25 @@ def test_onebit_table_subrange_and_cupy_tables(g):
     lo, hi = 3, 10
     sub = arrs[lo:hi]
     xs = np.concatenate(sub)
-    m = xs.size
-    want = onebit_cpu(xs, None, 64, True)
+    want = onebit_cpu(xs, None, 64, True, [a.size for a in sub])
     darrs = [cp.asarray(a) for a in arrs]
     sp, so, sc = dev_table(darrs[lo:hi])
     fp = np.concatenate([np.zeros(lo, np.int64), sp])
     fo = np.concatenate([np.full(lo, -99, np.int64), so])
     fc = np.concatenate([np.full(lo, 5, np.int64), sc])
-    bits = cp.empty(-(-m // 32), U32)
-    scales = cp.empty(-(-m // 64), F32)
+    nw, nb = onebit_sizes(sizes[lo:hi], 64)
+    bits = cp.empty(nw, U32)
+    scales = cp.empty(nb, F32)
     empty = cp.zeros(0, F32)
     bad = gpu.onebit_compress(cp.asarray(fp), cp.asarray(fo), cp.asarray(fc), lo, hi, empty, empty, 64, bits, scales)
+    same_bits(bits.get(), want[0])
+    same(scales.get(), want[1])
+    assert bad == want[3] == 0
+    # the same through a resident host table (the layout is made once and kept with it)
+    rc = gpu.resident(fc)
+    for _ in range(2):
+        bits.fill(0)
+        gpu.onebit_compress(gpu.resident(fp), gpu.resident(fo), rc, lo, hi, empty, empty, 64, bits, scales)
     same_bits(bits.get(), want[0])
     same(scales.get(), want[1])
     assert bad == want[3] == 0
@@ -431,6 +450,23 @@ def test_onebit_device_count(g):
     empty = cp.zeros(0, F32)
     r = gpu.onebit_compress_array(cp.asarray(x), empty, empty, 64, bits, scales, count_out=out)
     assert r is out and int(out.get()[0]) == want[3] > 0
+
+
+def test_small_tensor_next_to_large_keeps_its_own_scale_and_selection(g):
+    """Per-tensor formats on the GPU (docs/compressors.md): the 1e-3-scale tensor after a
+    unit-scale one gets its own 1-bit scale and words, and its own top-k / random-k k."""
+    cp, gpu = g
+    rng = np.random.default_rng(14)
+    big = rng.standard_normal(700).astype(F32)
+    small = (rng.standard_normal(300) * 1e-3).astype(F32)
+    x = np.concatenate([big, small])
+    check_onebit(cp, gpu, x, None, 512, True, table_sizes=[700, 300])
+    _, scales, _, _ = onebit_gpu(cp, gpu, x, None, 512, True, table_sizes=[700, 300])
+    assert scales.size == 3
+    np.testing.assert_allclose(scales[2], np.abs(small).mean(), rtol=1e-6)
+    want = check_sp(cp, gpu, "topk", x, None, [7, 3], sizes=[700, 300])
+    assert set(want[1][7:] - 700) == set(np.argsort(-np.abs(small))[:3])
+    check_sp(cp, gpu, "randomk", x, None, [7, 3], sizes=[700, 300], seed=5)
 
 
 DIVISORS = [1.0, 2.0, 3.0, 8.0, 0.25, -4.0, 2.0 ** 100, 2.0 ** -126, 7.1, 2.0 ** 126]
@@ -453,8 +489,11 @@ def test_onebit_decompress_sum(g, n, p, divisor):
     got = cp.full(n, 9.0, F32)
     gpu.onebit_decompress_sum_array(cp.asarray(bits), cp.asarray(scales), block, got, divisor)
     same(got.get(), want)
-    # the same through a table with empty and odd rows
+    # the same through a table with empty and odd rows (its own per-tensor payload sizes)
     sizes = split_sizes(n, n + 3 * p)
+    nw, nb = onebit_sizes(sizes, block)
+    bits = rng.integers(0, 1 << 32, (p, nw), dtype=np.uint64).astype(U32)
+    scales = np.abs(gen(p * nb, n + 8, "normal")).reshape(p, nb)
     outs_c = [np.full(s, 3.0, F32) for s in sizes]
     pc, oc, cc = host_table(outs_c)
     core.onebit_decompress_sum(bits, scales, block, pc, oc, cc, 0, len(sizes), divisor)
@@ -716,11 +755,23 @@ def no_double_nan(x, e):
     return e
 
 
+def table_ks(k, sizes):
+    """One k per tensor for a bucket-wide k (or an explicit list): k_i = ceil(k n_i / n)."""
+    if not isinstance(k, (int, np.integer)):
+        return np.asarray(k, np.int64)
+    c = np.asarray(sizes, np.int64)
+    n = max(int(c.sum()), 1)
+    return np.minimum(c, -(-int(k) * c // n)).astype(np.int64)
+
+
 def sp_cpu(fn, x, e, k, inplace, sizes, seed=None):
     """_core top-k / random-k on host copies: (values, indices, e_out or None, count)."""
     n = x.size
-    values = np.full(k, 7.0, F32)
-    indices = np.full(k, 0xDEADBEEF, U32)
+    if sizes is not None:
+        k = table_ks(k, sizes)
+    kk = int(np.sum(k))
+    values = np.full(kk, 7.0, F32)
+    indices = np.full(kk, 0xDEADBEEF, U32)
     if e is None:
         ein = eout = np.zeros(0, F32)
     else:
@@ -739,8 +790,11 @@ def sp_cpu(fn, x, e, k, inplace, sizes, seed=None):
 
 def sp_gpu(cp, gpu, fn, x, e, k, inplace, sizes, seed=None, count_out=False):
     n = x.size
-    values = cp.full(k, 7.0, F32)
-    indices = cp.full(k, 0xDEADBEEF, U32)
+    if sizes is not None:
+        k = table_ks(k, sizes)
+    kk = int(np.sum(k))
+    values = cp.full(kk, 7.0, F32)
+    indices = cp.full(kk, 0xDEADBEEF, U32)
     if e is None:
         ein = eout = cp.zeros(0, F32)
     else:
@@ -778,12 +832,14 @@ def check_sp(cp, gpu, fn, x, e, k, inplace=False, sizes=None, seed=None, count_o
 
 
 def sp_cases(x, e, k, fn, seed=None, sizes=None):
-    """Every residual mode, array and table."""
+    """Every residual mode, array and table (a k per tensor: from k, and random ones)."""
     cp, gpu = require_gpu()
+    rand = None if sizes is None else np.random.default_rng(k + len(sizes)).integers(0, np.asarray(sizes) + 1)
     for ee, inplace in [(None, False), (e, True), (e, False)]:
         check_sp(cp, gpu, fn, x, ee, k, inplace, None, seed)
         if sizes is not None:
             check_sp(cp, gpu, fn, x, ee, k, inplace, sizes, seed)
+            check_sp(cp, gpu, fn, x, ee, rand, inplace, sizes, seed)
 
 
 SP_SIZES = [0, 1, 31, 32, 33, 1000, 4097, 65537]
@@ -858,13 +914,15 @@ def test_topk_subnormals_and_nan_keys(g):
 @pytest.mark.parametrize("n", [1, 33, 1000, 4097, 65537])
 def test_randomk_indices(g, n):
     cp, gpu = g
+    sizes = np.array(split_sizes(n, n), np.int64)
     for seed in (0, 1, 12345, 0x9E3779B97F4A7C15, (1 << 64) - 1, (1 << 64) - 1 - n // 2):
         for k in sp_ks(n):
-            want = np.full(k, 0xDEADBEEF, U32)
-            core.randomk_indices(seed, n, k, want)
-            got = cp.full(k, 0xDEADBEEF, U32)
-            assert gpu.randomk_indices(seed, n, k, got) is None
-            same_bits(got.get(), want)
+            for counts, ks in ((np.array([n]), np.array([k])), (sizes, table_ks(k, sizes))):
+                want = np.full(int(ks.sum()), 0xDEADBEEF, U32)
+                core.randomk_indices(seed, counts.astype(np.int64), ks.astype(np.int64), want)
+                got = cp.full(want.size, 0xDEADBEEF, U32)
+                assert gpu.randomk_indices(seed, counts, ks, got) is None
+                same_bits(got.get(), want)
 
 
 @pytest.mark.parametrize("n", SP_SIZES)
@@ -913,26 +971,39 @@ def test_sparse_compress_validation(g):
         gpu.topk_compress_array(x, e0, e0, 10, v, cp.zeros(10, np.int32))
     with pytest.raises(TypeError):
         gpu.topk_compress_array(np.zeros(100, F32), e0, e0, 10, v, i)
-    with pytest.raises(ValueError, match="k = 5"):
-        gpu.randomk_indices(0, 4, 5, cp.zeros(5, U32))
+    one = lambda v: np.array([v], np.int64)        # noqa: E731
+    with pytest.raises(ValueError, match=r"ks\[0\] = 5 outside 0..4"):
+        gpu.randomk_indices(0, one(4), one(5), cp.zeros(5, U32))
     with pytest.raises(ValueError, match="out has"):
-        gpu.randomk_indices(0, 40, 5, cp.zeros(4, U32))
-    with pytest.raises(ValueError, match="n = "):
-        gpu.randomk_indices(0, 1 << 32, 0, cp.zeros(0, U32))
+        gpu.randomk_indices(0, one(40), one(5), cp.zeros(4, U32))
+    with pytest.raises(ValueError, match="4294967295"):
+        gpu.randomk_indices(0, one(1 << 32), one(0), cp.zeros(0, U32))
     with pytest.raises(OverflowError):
-        gpu.randomk_indices(-1, 4, 1, cp.zeros(1, U32))
+        gpu.randomk_indices(-1, one(4), one(1), cp.zeros(1, U32))
     with pytest.raises(ValueError, match="dense"):
         gpu.topk_compress(np.array([x.data.ptr, x.data.ptr]), np.array([0, 7]), np.array([5, 5]), 0, 2,
-                          e0, e0, 1, cp.zeros(1, F32), cp.zeros(1, U32))
+                          e0, e0, np.array([1, 0]), cp.zeros(1, F32), cp.zeros(1, U32))
     with pytest.raises(ValueError, match="range"):
         gpu.randomk_compress(np.array([x.data.ptr]), np.array([0]), np.array([5]), 0, 2,
-                             e0, e0, 0, 1, cp.zeros(1, F32), cp.zeros(1, U32))
+                             e0, e0, 0, np.array([1, 0]), cp.zeros(1, F32), cp.zeros(1, U32))
+    tp, to, tc = np.array([x.data.ptr, x.data.ptr + 20]), np.array([0, 5]), np.array([5, 5])
+    for fn, extra in ((gpu.topk_compress, ()), (gpu.randomk_compress, (3,)), (core.topk_compress, ()),
+                      (core.randomk_compress, (3,))):
+        host = fn in (core.topk_compress, core.randomk_compress)
+        xs = np.zeros(10, F32) if host else x
+        tpp = np.array([xs.ctypes.data, xs.ctypes.data + 20]) if host else tp
+        z, vv, ii = (np.zeros(0, F32), np.zeros(6, F32), np.zeros(6, U32)) if host else (e0, cp.zeros(6, F32),
+                                                                                         cp.zeros(6, U32))
+        with pytest.raises(ValueError, match=r"ks\[1\] = 6 outside 0..5 \(the element count of row 1\)"):
+            fn(tpp, to, tc, 0, 2, z, z, *extra, np.array([0, 6], np.int64), vv, ii)
+        with pytest.raises(ValueError, match="ks has 1 entries"):
+            fn(tpp, to, tc, 0, 2, z, z, *extra, np.array([1], np.int64), vv[:1], ii[:1])
     # the CPU raises the same kinds on the same mistakes
     with pytest.raises(ValueError, match="k = 101"):
         core.topk_compress_array(np.zeros(100, F32), np.zeros(0, F32), np.zeros(0, F32), 101,
                                  np.zeros(101, F32), np.zeros(101, U32))
     with pytest.raises(OverflowError):
-        core.randomk_indices(-1, 4, 1, np.zeros(1, U32))
+        core.randomk_indices(-1, one(4), one(1), np.zeros(1, U32))
 
 
 def test_sparse_compress_roundtrip(g):
@@ -958,8 +1029,8 @@ def test_sparse_compress_small_grids(g, monkeypatch):
     histograms in strides. Same bits as the CPU."""
     cp, gpu = g
     monkeypatch.setattr(gpu.launch, "THREADS", 32)
-    monkeypatch.setattr(gpu.sparse, "_sp_grid_hist", lambda n: (2,))
-    monkeypatch.setattr(gpu.sparse, "_sp_grid_tiles", lambda ntiles: (1,))
+    monkeypatch.setattr(gpu.sparse, "_sp_grid_hist", lambda n: 2)
+    monkeypatch.setattr(gpu.sparse, "_sp_grid_tiles", lambda ntiles: 1)
     n = 50000                                    # 49 tiles of 1024: 2 per scan thread
     x = gen(n, 31)
     x[::3] = F32(0.25)                           # ties at the threshold in every tile

@@ -178,11 +178,12 @@ def test_onebit_table(path, block):
     e = (rng.standard_normal(n) * 0.1).astype(F32)
     ein = e.copy()
     eout = np.empty(n, F32)
-    bits = np.empty(-(-n // 32), np.uint32)
-    scales = np.empty(-(-n // block), F32)
+    nw, nb = ref.onebit_sizes(counts, block)        # per-tensor words and blocks
+    bits = np.empty(nw, np.uint32)
+    scales = np.empty(nb, F32)
     nbad = core.onebit_compress(ptrs, offsets, counts, 0, len(arrs), ein, eout, block, bits,
                                 scales)
-    want = ref.onebit_compress(x, e, block)
+    want = ref.onebit_compress(x, e, block, counts)
     same(bits, want[0])
     same(scales, want[1])
     same(eout, want[2])
@@ -197,10 +198,11 @@ def test_onebit_table(path, block):
     fc = np.concatenate([np.full(lo, 5, np.int64), sc])
     xs = np.concatenate(sub)
     m = len(xs)
-    bits2 = np.empty(-(-m // 32), np.uint32)
-    scales2 = np.empty(-(-m // block), F32)
+    nw2, nb2 = ref.onebit_sizes(sc, block)
+    bits2 = np.empty(nw2, np.uint32)
+    scales2 = np.empty(nb2, F32)
     core.onebit_compress(fp, fo, fc, lo, hi, EMPTY, EMPTY, block, bits2, scales2)
-    w2 = ref.onebit_compress(xs, None, block)
+    w2 = ref.onebit_compress(xs, None, block, sc)
     same(bits2, w2[0])
     same(scales2, w2[1])
 
@@ -234,13 +236,40 @@ def test_onebit_decompress_negzero_and_table(path):
     sizes = [0, 5, 0, 64, 1, 200, 0]
     n = sum(sizes)
     p = 3
-    rows = [ref.onebit_compress(rng.standard_normal(n).astype(F32), None, 32) for _ in range(p)]
+    rows = [ref.onebit_compress(rng.standard_normal(n).astype(F32), None, 32, sizes) for _ in range(p)]
     b = np.stack([r[0] for r in rows])
     s = np.stack([r[1] for r in rows])
     dst = [np.full(k, 3.0, F32) for k in sizes]
     ptrs, offsets, counts = table(dst)
     core.onebit_decompress_sum(b, s, 32, ptrs, offsets, counts, 0, len(dst), 3.0)
-    same(np.concatenate(dst), ref.onebit_decompress_sum(b, s, 32, n, 3.0))
+    same(np.concatenate(dst), ref.onebit_decompress_sum(b, s, 32, n, 3.0, sizes))
+
+
+def test_onebit_blocks_restart_at_every_tensor(path):
+    """No block spans two tensors: a 1e-3-scale tensor after a unit-scale one of 700
+    elements gets its own scale (its own blocks), and its bits start on a new word."""
+    rng = np.random.default_rng(14)
+    big = rng.standard_normal(700).astype(F32)
+    small = (rng.standard_normal(300) * 1e-3).astype(F32)
+    ptrs, offsets, counts = table([big, small])
+    bits = np.empty(22 + 10, np.uint32)             # ceil(700/32) + ceil(300/32) words
+    scales = np.empty(2 + 1, F32)                   # ceil(700/512) + ceil(300/512) scales
+    core.onebit_compress(ptrs, offsets, counts, 0, 2, EMPTY, EMPTY, 512, bits, scales)
+    np.testing.assert_allclose(scales, [np.abs(big[:512]).mean(), np.abs(big[512:]).mean(),
+                                        np.abs(small).mean()], rtol=1e-6)
+    # element k of the small tensor: bit k % 32 of word 22 + k // 32; padding bits 0
+    want = np.packbits(np.concatenate([small >= 0, np.zeros(20, bool)]), bitorder="little").view("<u4")
+    same(bits[22:], want)
+    assert bits[21] >> 28 == 0                      # the big tensor's last word: 700 = 21*32 + 28
+    out = [np.empty(700, F32), np.empty(300, F32)]
+    dp, do, dc = table(out)
+    core.onebit_decompress_sum(bits[None], scales[None], 512, dp, do, dc, 0, 2, 1.0)
+    np.testing.assert_allclose(np.abs(out[1]), np.abs(small).mean(), rtol=1e-6)
+    # as the flat array of one tensor, the small one would take the big one's first scale
+    flat = np.concatenate([big, small])
+    fb, fs = np.empty(32, np.uint32), np.empty(2, F32)
+    core.onebit_compress_array(flat, EMPTY, EMPTY, 512, fb, fs)
+    assert fs[1] > 100 * scales[2]
 
 
 def test_onebit_roundtrip_error_feedback(path):
@@ -476,12 +505,13 @@ def test_property_tables(sizes, block, seed, special, scalar, p):
         ptrs, offsets, counts = table(arrs)
         e = (rng.standard_normal(n) * 0.1).astype(F32)
         eout = np.empty(n, F32)
-        bits = np.empty(-(-n // 32), np.uint32)
-        scales = np.empty(-(-n // block), F32)
+        nw, nb = ref.onebit_sizes(counts, block)
+        bits = np.empty(nw, np.uint32)
+        scales = np.empty(nb, F32)
         with np.errstate(all="ignore"):
             nbad = core.onebit_compress(ptrs, offsets, counts, 0, len(arrs), e, eout, block,
                                         bits, scales)
-            want = ref.onebit_compress(x, e, block)
+            want = ref.onebit_compress(x, e, block, counts)
         same(bits, want[0])
         same(scales, want[1])
         same(eout, want[2])
@@ -502,7 +532,7 @@ def test_property_tables(sizes, block, seed, special, scalar, p):
         with np.errstate(all="ignore"):
             core.onebit_decompress_sum(b2, s2, block, dp, do, dc, 0, len(dst), float(p))
             if n:
-                same(np.concatenate(dst), ref.onebit_decompress_sum(b2, s2, block, n, float(p)))
+                same(np.concatenate(dst), ref.onebit_decompress_sum(b2, s2, block, n, float(p), counts))
             c2 = np.repeat(codes[None], p, axis=0)
             core.twobit_decompress_sum(c2, 0.3, dp, do, dc, 0, len(dst), float(p))
             if n:

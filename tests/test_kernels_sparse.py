@@ -21,11 +21,12 @@ def dpath(request):
     core.set_simd(force_scalar=False)
 
 
-@pytest.fixture(params=[(True, 0), (False, 0), (False, 1), (True, 2)],
-                ids=["scalar", "simd", "simd-nocand", "scalar-nospec"])
+@pytest.fixture(params=[(True, 0), (False, 0), (False, 1), (True, 2), (False, 3)],
+                ids=["scalar", "simd", "simd-nocand", "scalar-nosmall", "simd-small"])
 def path(request):
-    """Code path: scalar or AVX2; and the selection's strategy: automatic (0), without
-    candidate buffers (1), without random-k's speculative first-pass scan (2)."""
+    """Code path: scalar or AVX2; and the selection's strategy: automatic (0), the
+    large-tensor select without candidate buffers for every tensor (1), the large-tensor
+    select with them for every tensor (2), the small-tensor select for every tensor (3)."""
     scalar, mode = request.param
     if not scalar and not core.simd_info()["cpu_avx2_f16c"]:
         pytest.skip("no AVX2 on this CPU")
@@ -85,6 +86,18 @@ KINDS = ["normal", "zeros", "ties", "special", "binclash", "nonfinite"]
 
 def ks_for(n):
     return sorted({0, min(1, n), n // 100, n // 3, max(n - 1, 0), n})
+
+
+def ks_table(counts, how, seed=0):
+    """One k per tensor: a ratio's k_i (as the compressors take it), or random k_i in 0..n_i."""
+    counts = np.asarray(counts, np.int64)
+    if how == "random":
+        rng = np.random.default_rng(seed)
+        return np.array([rng.integers(0, c + 1) for c in counts], np.int64)
+    return np.array([ref.k_for(how, int(c)) for c in counts], np.int64)
+
+
+KS_HOW = [0.01, 0.1, 0.5, 1.0, "random"]
 
 
 def split_table(x, sizes):
@@ -190,6 +203,8 @@ TABLE_CUTS = [[0, 3, 0, 0, 31, 1, 5], [7], [0], [33, 0, 64, 2]]
 @pytest.mark.parametrize("cuts", TABLE_CUTS)
 @pytest.mark.parametrize("kind", ["normal", "ties", "special", "nonfinite"])
 def test_topk_table(path, cuts, kind):
+    """Every tensor of the table selects its own k (docs/compressors.md): bucket positions,
+    tensor after tensor."""
     n = 1009
     x = make_data(n, kind, 31)
     e = make_data(n, "normal", 32)
@@ -199,14 +214,16 @@ def test_topk_table(path, cuts, kind):
     offsets = np.concatenate([[0, 99], offsets]).astype(np.int64)
     counts = np.concatenate([[99, 1], counts]).astype(np.int64)
     lo, hi = 2, len(ptrs)
-    for k in (0, 1, 10, 337, n):
+    for how in KS_HOW + [0.0]:
+        ks = ks_table(counts[lo:], how, len(cuts)) if how else np.zeros(hi - lo, np.int64)
+        k = int(ks.sum())
         for with_e in (True, False):
             ein = e.copy() if with_e else np.zeros(0, np.float32)
             eout = np.zeros(n if with_e else 0, np.float32)
             vals = np.zeros(k, np.float32)
             idx = np.zeros(k, np.uint32)
-            bad = core.topk_compress(ptrs, offsets, counts, lo, hi, ein, eout, k, vals, idx)
-            rv, ri, re, rbad = ref.topk(x, ein if with_e else None, k)
+            bad = core.topk_compress(ptrs, offsets, counts, lo, hi, ein, eout, ks, vals, idx)
+            rv, ri, re, rbad = ref.topk(x, ein if with_e else None, ks, counts[lo:])
             assert_same(idx, ri)
             assert_same(vals, rv)
             assert bad == rbad
@@ -216,11 +233,28 @@ def test_topk_table(path, cuts, kind):
         assert_same(p, orig)                          # gradients untouched
 
 
+def test_topk_small_tensor_keeps_its_own_k(path):
+    """A 1e-3-scale tensor next to a unit-scale one: its k_i largest are its own (over the
+    whole bucket, every one of the k would have come from the large tensor)."""
+    rng = np.random.default_rng(4)
+    big = rng.standard_normal(5000).astype(np.float32)
+    small = (rng.standard_normal(300) * 1e-3).astype(np.float32)
+    x = np.concatenate([big, small])
+    parts, ptrs, offsets, counts = split_table(x, [5000])
+    ks = np.array([50, 3], np.int64)
+    vals, idx = np.zeros(53, np.float32), np.zeros(53, np.uint32)
+    z = np.zeros(0, np.float32)
+    core.topk_compress(ptrs, offsets, counts, 0, 2, z, z, ks, vals, idx)
+    assert set(idx[50:] - 5000) == set(np.argsort(-np.abs(small))[:3])
+    assert set(idx[:50]) == set(np.argsort(-np.abs(big))[:50])
+    assert_same(vals, x[idx])
+
+
 def test_topk_empty_table(path):
     z = np.zeros(0, np.float32)
     e64 = np.zeros(0, np.int64)
-    assert core.topk_compress(e64, e64, e64, 0, 0, z, z, 0, z, np.zeros(0, np.uint32)) == 0
-    assert core.randomk_compress(e64, e64, e64, 0, 0, z, z, 5, 0, z, np.zeros(0, np.uint32)) == 0
+    assert core.topk_compress(e64, e64, e64, 0, 0, z, z, e64, z, np.zeros(0, np.uint32)) == 0
+    assert core.randomk_compress(e64, e64, e64, 0, 0, z, z, 5, e64, z, np.zeros(0, np.uint32)) == 0
 
 
 # ---------------------------------------------------------------------------- random-k
@@ -228,31 +262,55 @@ def test_topk_empty_table(path):
 SEEDS = [0, 1, 12345, 2**63, 2**64 - 1, 2**64 - 5]
 
 
+def rk_indices(seed, counts, ks):
+    out = np.zeros(int(np.sum(ks)), np.uint32)
+    core.randomk_indices(seed, np.asarray(counts, np.int64), np.asarray(ks, np.int64), out)
+    return out
+
+
 @pytest.mark.parametrize("n", SIZES + [300_000])
 def test_randomk_indices(path, n):
     for seed in SEEDS if n < 100_000 else SEEDS[:2] + SEEDS[-1:]:
-        order = np.argsort(ref.randomk_hash(seed, n), kind="stable")   # ref.randomk_indices, all k at once
         for k in ks_for(n):
-            out = np.zeros(k, np.uint32)
-            core.randomk_indices(seed, n, k, out)
-            assert_same(out, np.sort(order[:k]).astype(np.uint32))
-    if n == 1009:
-        assert_same(out, ref.randomk_indices(SEEDS[-1], n, k))
+            out = rk_indices(seed, [n], [k])
+            assert_same(out, ref.randomk_indices(seed, [n], [k]))
+            assert np.all(np.diff(out.astype(np.int64)) > 0) and (k == 0 or out[-1] < n)
 
 
-def test_randomk_hash_known_values():
+def test_randomk_indices_per_tensor_strata():
+    """Tensor t draws k_t positions of its own, one in each stratum
+    [floor(m n / k), floor((m + 1) n / k)), as bucket positions after the tensors before it."""
+    counts, ks = [0, 1000, 7, 0, 300, 64], [0, 10, 7, 0, 3, 1]
+    out = rk_indices(99, counts, ks)
+    assert_same(out, ref.randomk_indices(99, counts, ks))
+    starts = np.cumsum([0] + counts[:-1])
+    o = 0
+    for a, n, k in zip(starts, counts, ks):
+        pos = out[o:o + k].astype(np.int64) - a
+        for m in range(k):
+            assert m * n // k <= pos[m] < (m + 1) * n // k
+        o += k
+    # the t-th non-empty tensor's draw depends on t, not on the other tensors' sizes, and
+    # empty tensors are not counted: the 1000-element tensor is tensor 0
+    assert_same(rk_indices(99, [1000], [10]), out[:10])
+    assert_same(rk_indices(99, [5, 6, 300], [0, 0, 3]) - 11, out[17:20] - 1007)   # tensor 2: the same
+    assert not np.array_equal(rk_indices(99, [300], [3]), out[17:20] - 1007)  # as tensor 0: another draw
+
+
+def test_randomk_known_values_and_uniformity():
     # splitmix64 with state 0: the first output is 0xe220a8397b1dcdaf (reference sequence)
-    assert ref.randomk_hash(0, 1)[0] == 0xE220A839
-    # seed + i wraps around 2**64
-    assert ref.randomk_hash(2**64 - 1, 2)[1] == ref.randomk_hash(0, 1)[0]
+    assert ref.tensor_seed(0, 0) == 0xE220A8397B1DCDAF
+    # seed + (t + 1) * golden wraps around 2**64
+    assert ref.tensor_seed(2**64 - 0x9E3779B97F4A7C15, 0) == 0
+    # every position of a stratum is about equally likely (n = 1000, k = 10: strata of 100)
+    hits = np.zeros(1000, np.int64)
+    for seed in range(3000):
+        hits[rk_indices(seed, [1000], [10])] += 1
+    assert hits.sum() == 30000 and hits.min() > 10 and hits.max() < 60        # mean 30
 
 
 def test_randomk_indices_differ_by_seed():
-    a = np.zeros(100, np.uint32)
-    b = np.zeros(100, np.uint32)
-    core.randomk_indices(1, 10_000, 100, a)
-    core.randomk_indices(2, 10_000, 100, b)
-    assert not np.array_equal(a, b)
+    assert not np.array_equal(rk_indices(1, [10_000], [100]), rk_indices(2, [10_000], [100]))
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -283,19 +341,21 @@ def test_randomk_table(path, cuts):
     x = make_data(n, "special", 41)
     e = make_data(n, "normal", 42)
     parts, ptrs, offsets, counts = split_table(x, cuts)
-    for k in (0, 1, 10, 500, n):
+    for how in KS_HOW:
+        ks = ks_table(counts, how, 3)
+        k = int(ks.sum())
         ealias = e.copy()
         vals = np.zeros(k, np.float32)
         idx = np.zeros(k, np.uint32)
-        bad = core.randomk_compress(ptrs, offsets, counts, 0, len(ptrs), ealias, ealias, 7, k, vals, idx)
-        rv, ri, re, rbad = ref.randomk(x, e, 7, k)
+        bad = core.randomk_compress(ptrs, offsets, counts, 0, len(ptrs), ealias, ealias, 7, ks, vals, idx)
+        rv, ri, re, rbad = ref.randomk(x, e, 7, ks, counts)
         assert_same(idx, ri)
         assert_same(vals, rv)
         assert_same(ealias, re)
         assert bad == rbad
         vals2 = np.zeros(k, np.float32)
         z = np.zeros(0, np.float32)
-        core.randomk_compress(ptrs, offsets, counts, 0, len(ptrs), z, z, 7, k, vals2, idx)
+        core.randomk_compress(ptrs, offsets, counts, 0, len(ptrs), z, z, 7, ks, vals2, idx)
         assert_same(vals2, x[ri])
 
 
@@ -401,19 +461,31 @@ def test_validation_errors():
         core.topk_compress_array(g, z, z, 4, v, np.zeros(4, np.uint32))
     with pytest.raises(ValueError, match="indices"):
         core.randomk_compress_array(g, z, z, 0, 3, v, np.zeros(4, np.uint32))
-    with pytest.raises(ValueError, match="k = 3"):
-        core.randomk_indices(0, 2, 3, i)
-    with pytest.raises(ValueError, match="out has"):
-        core.randomk_indices(0, 10, 2, i)
-    with pytest.raises(ValueError, match="n = -1"):
-        core.randomk_indices(0, -1, 0, np.zeros(0, np.uint32))
+    one = lambda v: np.array([v], np.int64)        # noqa: E731
+    with pytest.raises(ValueError, match=r"ks\[0\] = 3 outside 0..2"):
+        core.randomk_indices(0, one(2), one(3), i)
+    with pytest.raises(ValueError, match="out has 3 elements, expected the sum of ks = 2"):
+        core.randomk_indices(0, one(10), one(2), i)
+    with pytest.raises(ValueError, match=r"counts\[0\] = -1"):
+        core.randomk_indices(0, one(-1), one(0), np.zeros(0, np.uint32))
     with pytest.raises(ValueError, match="4294967295"):
-        core.randomk_indices(0, 2**32, 0, np.zeros(0, np.uint32))
+        core.randomk_indices(0, one(2**32), one(0), np.zeros(0, np.uint32))
+    with pytest.raises(ValueError, match="ks has 2 entries, counts 1"):
+        core.randomk_indices(0, one(5), np.zeros(2, np.int64), i)
+    # ks: one per table row, each within its row's count
+    tp, to, tc = np.array([g.ctypes.data, g.ctypes.data], np.int64), np.array([0, 5], np.int64), np.array([5, 5], np.int64)
+    with pytest.raises(ValueError, match=r"ks has 1 entries, expected one per table row 0..1 \(2\)"):
+        core.topk_compress(tp, to, tc, 0, 2, z, z, np.array([1], np.int64), v[:1], i[:1])
+    with pytest.raises(ValueError, match=r"ks\[1\] = 6 outside 0..5 \(the element count of row 1\)"):
+        core.randomk_compress(tp, to, tc, 0, 2, z, z, 1, np.array([0, 6], np.int64), np.zeros(6, np.float32),
+                              np.zeros(6, np.uint32))
+    with pytest.raises(ValueError, match="values has 3 elements, expected the sum of ks = 2"):
+        core.topk_compress(tp, to, tc, 0, 2, z, z, np.array([1, 1], np.int64), v, i[:2])
     # a bucket of 2**32 elements is refused before any pointer is touched
     big = np.array([2**31, 2**31], np.int64)
     with pytest.raises(ValueError, match="uint32"):
         core.topk_compress(np.array([8, 8], np.int64), np.array([0, 2**31], np.int64), big, 0, 2,
-                           z, z, 0, z, np.zeros(0, np.uint32))
+                           z, z, np.zeros(2, np.int64), z, np.zeros(0, np.uint32))
     with pytest.raises(ValueError, match="uint32"):
         core.sparse_decompress_sum(np.zeros((1, 0), np.float32), np.zeros((1, 0), np.uint32),
                                    np.array([8, 8], np.int64), np.array([0, 2**31], np.int64),
@@ -421,10 +493,10 @@ def test_validation_errors():
     # offsets not dense / bad table range
     with pytest.raises(ValueError, match="dense"):
         core.topk_compress(np.array([g.ctypes.data, g.ctypes.data], np.int64), np.array([0, 4], np.int64),
-                           np.array([5, 5], np.int64), 0, 2, z, z, 0, z, np.zeros(0, np.uint32))
+                           np.array([5, 5], np.int64), 0, 2, z, z, np.zeros(2, np.int64), z, np.zeros(0, np.uint32))
     with pytest.raises(ValueError, match="table range"):
         core.topk_compress(np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64), 0, 2,
-                           z, z, 0, z, np.zeros(0, np.uint32))
+                           z, z, np.zeros(2, np.int64), z, np.zeros(0, np.uint32))
 
 
 def test_topk_table_long_tensor(path):
@@ -433,10 +505,11 @@ def test_topk_table_long_tensor(path):
     x = make_data(n, "normal", 55)
     parts, ptrs, offsets, counts = split_table(x, [5, 0])
     z = np.zeros(0, np.float32)
-    for k in (1000, n // 3):
-        vals = np.zeros(k, np.float32)
-        idx = np.zeros(k, np.uint32)
-        core.topk_compress(ptrs, offsets, counts, 0, len(ptrs), z, z, k, vals, idx)
-        rv, ri, _, _ = ref.topk(x, None, k)
+    for k in (1000, (n - 5) // 3):
+        ks = np.array([2, 0, k], np.int64)
+        vals = np.zeros(k + 2, np.float32)
+        idx = np.zeros(k + 2, np.uint32)
+        core.topk_compress(ptrs, offsets, counts, 0, len(ptrs), z, z, ks, vals, idx)
+        rv, ri, _, _ = ref.topk(x, None, ks, counts)
         assert_same(idx, ri)
         assert_same(vals, rv)

@@ -113,13 +113,13 @@ def bench_compress(rounds, n=1 << 24):
     copy_src, copy_dst = aligned_empty(4 * n), aligned_empty(4 * n)
     copy_src[:] = 1
     base = _numpy_baselines(n)
-    ctx = BucketContext()
+    ctx = BucketContext(counts=(n,))
     rows = []
     for name, opts in [("fp16", {}), ("bf16", {}), ("1bit", {}), ("2bit", {}), ("topk", {}), ("randomk", {})]:
         comp = create(name, **opts)
         ef = comp.error_feedback
         e_in, e_out = (np.zeros(n, np.float32), np.zeros(n, np.float32)) if ef else (np.zeros(0, np.float32),) * 2
-        wire = Wire(comp.payload_layout(n))
+        wire = Wire(comp.bucket_layout(ctx))
         row = aligned_empty(wire.nbytes)
         payloads = wire.views(row)
         out = np.empty(n, np.float32)

@@ -1,11 +1,21 @@
 """The compressor contract.
 
-A compressor defines, for one fusion bucket of ``n`` float32 values ``c``:
+A compressor defines, for one fusion bucket of ``n`` float32 values ``c`` (its tensors'
+values one after another, in bucket order):
 
-* ``payload_layout(n)``: the arrays that travel, as ``[(dtype, count), ...]``; their sizes
-  depend on ``n`` only (so every rank's payload has the same size);
+* ``bucket_layout(ctx)``: the arrays that travel, as ``[(dtype, count), ...]``. Their sizes
+  may depend on what every rank knows alike about the bucket: ``ctx.counts``, the element
+  counts of its tensors (the ranks agree on the shapes), and the bucket index and step.
+  The default is ``payload_layout(ctx.n)``, so a format that depends on ``n`` only (an
+  elementwise one, like fp16 or 2-bit) just defines ``payload_layout(n)``, as user
+  compressors written for the first contract do (they keep working unchanged);
 * ``compress(c, payloads, ctx)``: fill the payload arrays from ``c`` (pure: no state);
 * ``decompress(payloads, n, ctx)``: the float32 values a receiver decodes from one payload.
+
+A per-tensor format (scales or selections that restart at every tensor, as 1-bit, top-k
+and random-k do) overrides ``bucket_layout`` and reads the tensor boundaries from
+``ctx.counts`` in all three (``tensor_counts(ctx, n)``: the counts, or one tensor of all
+``n`` values when a caller gave none).
 
 That is all a user-defined compressor needs (register it with
 ``gradfuse.register_compressor``). Error feedback is not the compressor's business: the
@@ -25,8 +35,9 @@ plain methods plus the wrapper:
 sums every payload), or ``"allreduce"`` for formats the network can sum directly
 (fp16/bf16: an MPI user op adds them, pairwise in float32, rounded once).
 
-``ctx`` is a ``BucketContext`` (bucket index, step, seed) for compressors that need it
-(random-k draws its indices from the seed, which every rank derives identically). Its
+``ctx`` is a ``BucketContext`` (bucket index, step, seed, tensor counts) for compressors
+that need it (random-k draws its indices from the seed, which every rank derives
+identically). Its
 ``device`` is ``"cpu"`` or ``"cuda"``: on ``"cuda"`` the table pointers, residuals and
 payloads of the fused methods are device memory (cupy arrays); ``kernels(ctx)`` and
 ``array_module(ctx)`` give ``gradfuse._core`` / numpy or ``gradfuse.gpu`` / cupy, whose
@@ -44,10 +55,29 @@ F32 = np.dtype(np.float32)
 
 @dataclass(frozen=True)
 class BucketContext:
+    """What a compressor may know about one bucket, the same on every rank.
+
+    ``counts``: the element counts of the bucket's tensors, in bucket order (empty: not
+    given, the bucket is one tensor); ``n`` is their sum.
+    """
+
     bucket: int = 0
     step: int = 0
     seed: int = 0
     device: str = "cpu"
+    counts: tuple = ()
+
+    @property
+    def n(self):
+        return sum(self.counts)
+
+
+def tensor_counts(ctx, n):
+    """The bucket's tensor element counts: ``ctx.counts``, or ``(n,)`` when none were given."""
+    counts = ctx.counts if ctx is not None and ctx.counts else (n,)
+    if sum(counts) != n:
+        raise ValueError(f"the bucket has {n} elements but its tensor counts sum to {sum(counts)}")
+    return counts
 
 
 def kernels(ctx):
@@ -81,7 +111,23 @@ class Compressor(ABC):
             gradients (``c = g + e; e = c - decompress(compress(c))``). Default: the
             class's ``error_feedback_default`` (on for 1bit, 2bit, topk, randomk).
         warmup_steps: run the first N steps of a pipeline uncompressed.
+        momentum: DGC's momentum correction (``gradfuse.compressors.momentum``): each rank
+            keeps a velocity ``u = m * u + g`` per bucket, and error feedback accumulates
+            ``u`` instead of ``g`` (the optimizer must then run without momentum). 0, the
+            default, is off; a number in [0, 1). The MXNet trainers set it from the
+            optimizer (docs/mxnet.md).
+        nesterov: with ``momentum``, send the Nesterov value ``m * u + g`` (DGC's variant).
+        momentum_masking: zero the velocity where the compressor sent a value (DGC's
+            momentum factor masking). Default: on for the sparsifiers (compressors with a
+            ``ratio`` option: top-k, random-k) when they keep error feedback, else off.
+        sparsity_warmup: top-k / random-k only: over the first N compressed steps the ratio
+            ramps down exponentially, 25%, 6.25%, 1.5625%, ... (each stage 4x sparser, equal
+            stages) to ``ratio`` (DGC's warm-up). 0, the default, is off.
         **options: the compressor's own options (see ``OPTIONS``).
+
+    ``momentum`` and ``sparsity_warmup`` appear in ``get_config()`` only when set, so the
+    config (and the plan digests, residual keys and checkpoints) of a compressor without
+    them is what it was before they existed.
     """
 
     name = "abstract"
@@ -94,10 +140,13 @@ class Compressor(ABC):
     error_feedback_default = False
     OPTIONS = {}                # option name -> default value
 
-    def __init__(self, error_feedback=None, warmup_steps=0, **options):
+    def __init__(self, error_feedback=None, warmup_steps=0, momentum=0.0, nesterov=False,
+                 momentum_masking=None, sparsity_warmup=0, **options):
+        sparse = "ratio" in self.OPTIONS
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
-            valid = ", ".join(sorted(self.OPTIONS) + ["error_feedback", "warmup_steps"])
+            common = ["error_feedback", "warmup_steps", "momentum", "nesterov", "momentum_masking"]
+            valid = ", ".join(sorted(list(self.OPTIONS) + common + (["sparsity_warmup"] if sparse else [])))
             raise TypeError(f"compressor {self.name!r}: unknown option(s) {', '.join(unknown)}; "
                             f"valid options: {valid}")
         self.options = {k: options.get(k, v) for k, v in self.OPTIONS.items()}
@@ -107,6 +156,35 @@ class Compressor(ABC):
                 or warmup_steps < 0):
             raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
         self.warmup_steps = int(warmup_steps)
+        # DGC's momentum correction and sparsity warm-up (gradfuse.compressors.momentum)
+        if (isinstance(momentum, (bool, np.bool_)) or not isinstance(momentum, (int, float, np.integer, np.floating))
+                or not 0 <= momentum < 1):
+            raise ValueError(f"compressor {self.name!r}: option 'momentum' must be a number in [0, 1), "
+                             f"got {momentum!r}")
+        self.momentum = float(momentum)
+        self.nesterov = _check_bool("nesterov", nesterov)
+        if self.nesterov and not self.momentum:
+            raise ValueError(f"compressor {self.name!r}: option 'nesterov=True' needs momentum > 0, got "
+                             f"momentum={momentum!r}")
+        if momentum_masking is None:
+            self.momentum_masking = bool(sparse and self.error_feedback and self.momentum)
+        else:
+            self.momentum_masking = _check_bool("momentum_masking", momentum_masking)
+            if self.momentum_masking and not self.momentum:
+                raise ValueError(f"compressor {self.name!r}: option 'momentum_masking=True' needs momentum > 0, "
+                                 f"got momentum={momentum!r}")
+            if self.momentum_masking and not self.error_feedback:
+                raise ValueError(f"compressor {self.name!r}: option 'momentum_masking=True' needs "
+                                 f"error_feedback=True (it masks where the residual was cleared), got "
+                                 f"error_feedback=False")
+        if (isinstance(sparsity_warmup, bool) or not isinstance(sparsity_warmup, (int, np.integer))
+                or sparsity_warmup < 0):
+            raise ValueError(f"compressor {self.name!r}: option 'sparsity_warmup' must be a non-negative int "
+                             f"(steps), got {sparsity_warmup!r}")
+        if sparsity_warmup and not sparse:
+            raise ValueError(f"compressor {self.name!r}: option 'sparsity_warmup' ramps the 'ratio' of top-k "
+                             f"and random-k, and {self.name!r} has no ratio (got sparsity_warmup={sparsity_warmup})")
+        self.sparsity_warmup = int(sparsity_warmup)
         self.validate()
 
     def validate(self):
@@ -118,6 +196,12 @@ class Compressor(ABC):
         if not self.lossless:
             cfg["error_feedback"] = self.error_feedback
             cfg["warmup_steps"] = self.warmup_steps
+        if self.momentum:
+            cfg["momentum"] = self.momentum
+            cfg["nesterov"] = self.nesterov
+            cfg["momentum_masking"] = self.momentum_masking
+        if self.sparsity_warmup:
+            cfg["sparsity_warmup"] = self.sparsity_warmup
         return cfg
 
     def __repr__(self):
@@ -125,12 +209,18 @@ class Compressor(ABC):
         return f"{type(self).__name__}({opts})"
 
     # --- the math --------------------------------------------------------------------
+    def bucket_layout(self, ctx):
+        """The payload arrays of the bucket ``ctx`` describes, ``[(dtype, count), ...]``."""
+        return self.payload_layout(ctx.n)
+
     def payload_layout(self, n):
-        raise NotImplementedError
+        """The payload arrays of a bucket of ``n`` values (formats that depend on n only)."""
+        raise NotImplementedError(f"compressor {self.name!r} ({type(self).__name__}) defines neither "
+                                  f"bucket_layout(ctx) nor payload_layout(n)")
 
     @abstractmethod
     def compress(self, c, payloads, ctx):
-        """Fill ``payloads`` (arrays per ``payload_layout``) from float32 ``c``."""
+        """Fill ``payloads`` (arrays per ``bucket_layout``) from float32 ``c``."""
 
     @abstractmethod
     def decompress(self, payloads, n, ctx):
@@ -161,10 +251,13 @@ class NoneCompressor(Compressor):
     name = "none"
     lossless = True
 
-    def __init__(self, **options):
+    def __init__(self, momentum=0.0, nesterov=False, **options):
+        # momentum: the velocity of DGC's correction on uncompressed tensors too
+        # (gradfuse.compressors.momentum), e.g. Pipeline(compress=None, momentum=0.9)
         if options:
-            raise TypeError(f"compressor 'none' takes no options, got {', '.join(sorted(options))}")
-        super().__init__()
+            raise TypeError(f"compressor 'none' takes no options (but momentum and nesterov), got "
+                            f"{', '.join(sorted(options))}")
+        super().__init__(momentum=momentum, nesterov=nesterov)
 
     def compress(self, c, payloads, ctx):
         payloads[0][...] = c

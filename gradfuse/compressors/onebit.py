@@ -1,12 +1,15 @@
-"""1-bit: one sign bit per element and one float32 scale per block.
+"""1-bit: one sign bit per element and one float32 scale per block, blocks per tensor.
 
-Math for a bucket ``c`` (after error feedback) and block size B (a multiple of 32):
-``s_b = mean |c|`` over block b in a fixed order (32 lane partial sums, then a
-shfl_down-style tree; see docs/compressors.md), ``bit_j = c_j >= 0`` (+0 and -0 give 1,
-NaN gives 0), decoded ``v_j = s_b if bit_j else -s_b``.
+Math for a bucket ``c`` (after error feedback) and block size B (a multiple of 32): the
+blocks restart at every tensor of the bucket (a tensor's last block may be short), so a
+small tensor never shares a scale with a large one; ``s_b = mean |c|`` over block b in a
+fixed order (32 lane partial sums, then a shfl_down-style tree; see docs/compressors.md),
+``bit_j = c_j >= 0`` (+0 and -0 give 1, NaN gives 0), decoded ``v_j = s_b if bit_j else -s_b``.
 
-Layout: ``bits`` = ceil(n/32) uint32 words, element j in bit j % 32 (LSB first) of word
-j // 32, padding bits 0; ``scales`` = ceil(n/B) float32. About 1 + 32/B bits per element.
+Layout, tensor after tensor: tensor i's ``ceil(n_i/32)`` uint32 words (its element k in
+bit k % 32, LSB first, of its word k // 32; padding bits 0), then ``bits`` holds the next
+tensor's; ``scales`` holds tensor i's ``ceil(n_i/B)`` float32 after the previous
+tensors'. About 1 + 32/B bits per element, plus at most a word and a scale per tensor.
 
 Collectives: ``allgather`` (every rank decodes every payload and sums in rank order), or
 ``twophase`` (DeepSpeed-style compressed allreduce: alltoall of chunks, each rank
@@ -14,15 +17,51 @@ averages its chunk, applies a server-side residual and compresses again, then an
 allgather), whose traffic per rank stays about 2(p-1)/p * S/32 as p grows. ``auto``
 picks twophase for 3 or more ranks on buckets of at least 65536 elements.
 """
-import math
-
 import numpy as np
 
 from .. import _core
-from .base import Compressor, kernels
+from .base import Compressor, kernels, tensor_counts
 
 ALGORITHMS = ("auto", "allgather", "twophase")
 TWOPHASE_MIN_ELEMENTS = 1 << 16
+
+
+def onebit_sizes(counts, block):
+    """(words, scales) of the 1-bit payload of tensors with these element counts."""
+    return (sum((int(c) + 31) // 32 for c in counts), sum(-(-int(c) // block) for c in counts))
+
+
+class BlockLayout:
+    """Where each 1-bit block of a bucket lies (blocks in bucket order, per tensor).
+
+    ``elem[b]`` and ``word[b]``: the bucket position of block b's first element and the
+    payload word of its first bit, with one more entry for the end (n, the word count).
+    """
+
+    def __init__(self, counts, block):
+        c = np.asarray(counts, np.int64).reshape(-1)
+        nb, nw = -(-c // block), (c + 31) // 32
+        t = np.repeat(np.arange(len(c)), nb)
+        first = np.cumsum(nb) - nb
+        kb = np.arange(int(nb.sum()), dtype=np.int64) - first[t]
+        self.counts, self.block = c, block
+        self.starts = np.cumsum(c) - c
+        self.elem = np.append(self.starts[t] + kb * block, c.sum()).astype(np.int64)
+        self.word = np.append((np.cumsum(nw) - nw)[t] + kb * (block // 32), nw.sum()).astype(np.int64)
+        self.nblocks, self.nwords, self.n = int(nb.sum()), int(nw.sum()), int(c.sum())
+
+    def chunk_blocks(self, p, r):
+        """Blocks [b0, b1) of chunk r of p (``ceil(nblocks/p)`` each; the last may be short or empty)."""
+        cb = max(1, -(-self.nblocks // p))
+        return min(r * cb, self.nblocks), min((r + 1) * cb, self.nblocks)
+
+    def pieces(self, e0, e1):
+        """Element counts of the tensors' parts inside bucket positions [e0, e1), in order
+        (the empty ones left out)."""
+        lo = np.clip(self.starts, e0, e1)
+        hi = np.clip(self.starts + self.counts, e0, e1)
+        m = hi - lo
+        return tuple(int(x) for x in m[m > 0])
 
 
 class OneBit(Compressor):
@@ -51,19 +90,31 @@ class OneBit(Compressor):
             return algo
         return "twophase" if p >= 3 and n >= TWOPHASE_MIN_ELEMENTS else "allgather"
 
-    def payload_layout(self, n):
-        return [(np.dtype(np.uint32), (n + 31) // 32), (np.dtype(np.float32), math.ceil(n / self.block))]
+    def bucket_layout(self, ctx):
+        words, scales = onebit_sizes(ctx.counts, self.block)
+        return [(np.dtype(np.uint32), words), (np.dtype(np.float32), scales)]
+
+    def _parts(self, n, ctx):
+        """(element, word, scale) start and (elements, words, scales) of every tensor."""
+        w = s = e = 0
+        for m in tensor_counts(ctx, n):
+            nw, ns = (m + 31) // 32, -(-m // self.block)
+            yield e, w, s, m, nw, ns
+            e, w, s = e + m, w + nw, s + ns
 
     def compress(self, c, payloads, ctx):
         empty = np.zeros(0, np.float32)
-        _core.onebit_compress_array(np.ascontiguousarray(c, np.float32), empty, empty, self.block,
-                                    payloads[0], payloads[1])
+        c = np.ascontiguousarray(c, np.float32)
+        for e, w, s, m, nw, ns in self._parts(c.size, ctx):
+            _core.onebit_compress_array(c[e:e + m], empty, empty, self.block, payloads[0][w:w + nw],
+                                        payloads[1][s:s + ns])
 
     def decompress(self, payloads, n, ctx):
         out = np.empty(n, np.float32)
-        _core.onebit_decompress_sum_array(np.ascontiguousarray(payloads[0]).reshape(1, -1),
-                                          np.ascontiguousarray(payloads[1]).reshape(1, -1),
-                                          self.block, out, 1.0)
+        bits, scales = np.ascontiguousarray(payloads[0]), np.ascontiguousarray(payloads[1])
+        for e, w, s, m, nw, ns in self._parts(n, ctx):
+            _core.onebit_decompress_sum_array(bits[w:w + nw].reshape(1, -1), scales[s:s + ns].reshape(1, -1),
+                                              self.block, out[e:e + m], 1.0)
         return out
 
     def compress_table(self, table, e_in, e_out, payloads, ctx):

@@ -23,6 +23,7 @@ from fnmatch import fnmatchcase
 import numpy as np
 
 from .base import Compressor, NoneCompressor
+from .registry import create
 
 
 def _is_config(spec):
@@ -65,7 +66,6 @@ class LayerPolicy:
     @classmethod
     def create(cls, compress, min_elements=0, **options):
         """A policy from ``Pipeline``'s ``compress`` argument (see the module docstring)."""
-        from . import create
         if isinstance(compress, dict) and not _is_config(compress):
             if options:
                 raise TypeError(f"compressor options ({', '.join(sorted(options))}) cannot be given beside a "

@@ -1,17 +1,23 @@
-"""random-k sparsification: k positions drawn from a seed every rank shares; only values travel.
+"""random-k sparsification: k_i positions of every tensor drawn from a seed every rank shares;
+only values travel.
 
-k as for top-k. Per bucket and step the seed is
-``(seed * 0x9E3779B97F4A7C15 + step * 0xD1B54A32D192ED03 + bucket * 0x8CB92BA72F3D8DD7) mod 2**64``;
-position i gets ``h_i = splitmix64_mix(seed + i + 0x9E3779B97F4A7C15) >> 32`` and the k
-smallest h_i are chosen (ties: lower index), ascending. Payload: k float32 values.
-Residual: c with the sent positions set to 0. The step counter is part of the
+k_i as for top-k (per tensor). Per bucket and step the seed is
+``seed_b = (seed * 0x9E3779B97F4A7C15 + step * 0xD1B54A32D192ED03 + bucket * 0x8CB92BA72F3D8DD7) mod 2**64``;
+the t-th non-empty tensor of the bucket (t = 0, 1, ...) draws from
+``s_t = splitmix64_mix(seed_b + (t + 1) * 0x9E3779B97F4A7C15)``, one position in each of k_i equal strata of its n_i elements (stratum m is
+``[floor(m n / k), floor((m + 1) n / k))``, position ``start + ((h * length) >> 32)`` with
+``h = splitmix64_mix(s_t + (m + 1) * 0x9E3779B97F4A7C15) >> 32``): O(k_i) work, integer
+arithmetic only, the same on every device. Every element is chosen with probability
+1/length (about k_i/n_i) at every step, independently of the other steps, as with a
+uniform draw of k_i of n_i. Payload: the K = sum of k_i float32 values, tensor after
+tensor. Residual: c with the sent positions set to 0. The step counter is part of the
 pipeline's checkpointed state, so a restored run draws the same positions.
 """
 import numpy as np
 
 from .. import _core
-from .base import Compressor, array_module, kernels
-from .topk import check_ratio, k_for
+from .base import Compressor, array_module, kernels, tensor_counts
+from .topk import check_ratio, ks_for, table_ks
 
 M64 = (1 << 64) - 1
 
@@ -37,31 +43,38 @@ class RandomK(Compressor):
         super().__init__(**options)
         self._drawn = {}      # (bucket, step) -> indices drawn by compress, reused by decompress
 
+    def ratio_at(self, ctx):
+        """The ratio of the step ``ctx`` describes (every k of the step derives from it)."""
+        return self.options["ratio"]
+
     def _seed(self, ctx):
         return step_seed(self.options["seed"], ctx.step, ctx.bucket)
 
-    def indices(self, n, ctx):
-        idx = np.empty(k_for(self.options["ratio"], n), np.uint32)
-        _core.randomk_indices(self._seed(ctx), n, idx.size, idx)
+    def indices(self, counts, ctx):
+        """The bucket positions drawn for tensors of these element counts (host uint32)."""
+        counts = np.ascontiguousarray(counts, np.int64).reshape(-1)
+        ks = ks_for(self.ratio_at(ctx), counts)
+        idx = np.empty(int(ks.sum()), np.uint32)
+        _core.randomk_indices(self._seed(ctx), counts, ks, idx)
         return idx
 
-    def payload_layout(self, n):
-        return [(np.dtype(np.float32), k_for(self.options["ratio"], n))]
+    def bucket_layout(self, ctx):
+        return [(np.dtype(np.float32), int(ks_for(self.ratio_at(ctx), ctx.counts).sum()))]
 
     def compress(self, c, payloads, ctx):
         c = np.ascontiguousarray(c, np.float32)
-        payloads[0][...] = c[self.indices(c.size, ctx)]
+        payloads[0][...] = c[self.indices(tensor_counts(ctx, c.size), ctx)]
 
     def decompress(self, payloads, n, ctx):
         out = np.zeros(n, np.float32)
-        out[self.indices(n, ctx)] = payloads[0]
+        out[self.indices(tensor_counts(ctx, n), ctx)] = payloads[0]
         return out
 
     def compress_table(self, table, e_in, e_out, payloads, ctx):
         src, off, cnt, lo, hi = table
         idx = array_module(ctx).empty(payloads[0].size, np.uint32)
-        bad = kernels(ctx).randomk_compress(src, off, cnt, lo, hi, e_in, e_out, self._seed(ctx), idx.size,
-                                     payloads[0], idx)
+        bad = kernels(ctx).randomk_compress(src, off, cnt, lo, hi, e_in, e_out, self._seed(ctx),
+                                            table_ks(self.ratio_at(ctx), table), payloads[0], idx)
         if any(key[1] != ctx.step for key in self._drawn):
             self._drawn = {k: v for k, v in self._drawn.items() if k[1] == ctx.step}
         self._drawn[(ctx.bucket, ctx.step)] = idx
@@ -69,11 +82,10 @@ class RandomK(Compressor):
 
     def decompress_sum_table(self, rows, table, divisor, ctx):
         dst, off, cnt, lo, hi = table
-        n = int(off[hi - 1] + cnt[hi - 1]) if hi > lo else 0
         idx = self._drawn.pop((ctx.bucket, ctx.step), None)
         xp = array_module(ctx)
         if idx is None:                    # not compressed here (e.g. a reference path): draw again
-            idx = xp.asarray(self.indices(n, ctx))
+            idx = xp.asarray(self.indices(np.asarray(cnt[lo:hi]), ctx))
         rows_idx = xp.ascontiguousarray(xp.broadcast_to(idx, (rows[0].shape[0], idx.size)))
         kernels(ctx).sparse_decompress_sum(xp.ascontiguousarray(rows[0]), rows_idx, dst, off, cnt, lo, hi, divisor)
         return True

@@ -1,15 +1,19 @@
-"""Compression state of a pipeline: residuals, server residuals, step counter.
+"""Compression state of a pipeline: residuals, server residuals, velocities, step counter.
 
 Residuals are per rank and per fusion bucket, keyed by the plan's digest (which covers
 names, shapes, dtypes, options and the bucket layout) and the bucket index, so a residual
 can only ever be applied to the bucket it came from. Each residual is double-buffered:
 kernels write the new residual into the spare buffer, and ``commit`` swaps it in once every
-rank has agreed the step was finite.
+rank has agreed the step was finite. With ``momentum`` (DGC's momentum correction,
+``gradfuse.compressors.momentum``) each bucket also keeps this rank's velocity, double-
+buffered the same way, and a pending factor ``velocity_scale`` that the next velocity
+update folds into the momentum (``CompressionState.scale_velocity``).
 
 ``state_dict()`` holds plain numpy arrays and JSON-able values; restoring it is bit-exact.
 A state saved with another world size or compressor config is reset with a warning; a
 residual is only ever applied to the bucket it was saved for; when the first compressed
-step after a restore finds none of its own, a warning says the layout changed.
+step after a restore finds none of its own, a warning says the layout changed. States
+saved before velocities existed load with none (a pipeline without momentum has none).
 """
 import json
 import warnings
@@ -20,23 +24,79 @@ FORMAT = "gradfuse-state-1"
 
 
 class BucketState:
-    """One bucket's residuals (worker and server), double-buffered, in ``bk``'s memory."""
+    """One bucket's residuals (worker and server) and velocity, double-buffered, in ``bk``'s memory.
 
-    __slots__ = ("n", "cur", "nxt", "server_cur", "server_nxt", "algorithm", "device", "bk")
+    The three parts are sized independently (``ensure``): a bucket that runs uncompressed
+    during warm-up keeps a velocity and no residual, and gets its residual when compression
+    starts, without losing the velocity.
+    """
 
-    def __init__(self, n, server_n, algorithm, bk):
-        self.n = n
-        self.cur = bk.zeros(n, np.float32)
-        self.nxt = bk.zeros(n, np.float32)
-        self.server_cur = bk.zeros(server_n, np.float32)
-        self.server_nxt = bk.zeros(server_n, np.float32)
-        self.algorithm = algorithm
-        self.device = (bk.device, bk.device_id)
+    __slots__ = ("n", "cur", "nxt", "server_cur", "server_nxt", "vel_cur", "vel_nxt", "vscale",
+                 "algorithm", "device", "bk", "tables")
+
+    def __init__(self, n, server_n, algorithm, bk, velocity=0):
         self.bk = bk
+        self.device = (bk.device, bk.device_id)
+        self.algorithm = algorithm
+        self.n = -1
+        self.server_cur = self.vel_cur = None
+        self.vscale = 1.0
+        self.tables = {}         # pointer tables over this state's arrays (gradfuse.compressors.momentum)
+        self.ensure(n, server_n, velocity)
+
+    def ensure(self, n, server_n, velocity):
+        """Give each part the size asked for: a part whose size changes starts from zero."""
+        bk = self.bk
+        if self.n != n:
+            self.n, self.cur, self.nxt = n, bk.zeros(n, np.float32), bk.zeros(n, np.float32)
+        if self.server_cur is None or self.server_cur.size != server_n:
+            self.server_cur, self.server_nxt = bk.zeros(server_n, np.float32), bk.zeros(server_n, np.float32)
+        if self.vel_cur is None or self.vel_cur.size != velocity:
+            self.vel_cur, self.vel_nxt = bk.zeros(velocity, np.float32), bk.zeros(velocity, np.float32)
+            self.vscale = 1.0
+            self.tables.clear()
 
     def commit(self):
+        """The step's residuals and velocity become current (a compressed bucket)."""
         self.cur, self.nxt = self.nxt, self.cur
         self.server_cur, self.server_nxt = self.server_nxt, self.server_cur
+        self.commit_velocity()
+
+    def commit_velocity(self):
+        """The step's velocity becomes current (an uncompressed bucket: residuals untouched)."""
+        if self.vel_cur.size:
+            self.vel_cur, self.vel_nxt = self.vel_nxt, self.vel_cur
+            self.vscale = 1.0
+
+    def upload(self, saved):
+        """Fill from a saved entry (host arrays). The residuals are taken when both sizes fit
+        (else both stay zero), the velocity when its size fits; returns whether all fitted."""
+        bk = self.bk
+        res, srv = saved["residual"], saved["server_residual"]
+        ok = res.size == self.cur.size and srv.size == self.server_cur.size
+        if ok:
+            if res.size:
+                bk.upload(self.cur, res)
+            if srv.size:
+                bk.upload(self.server_cur, srv)
+        vel = saved.get("velocity")
+        if vel is not None and vel.size:
+            if vel.size == self.vel_cur.size:
+                bk.upload(self.vel_cur, vel)
+                self.vscale = float(saved.get("velocity_scale", 1.0))
+            else:
+                ok = False
+        return ok
+
+    def saved(self):
+        """This state as host arrays (a ``state_dict()`` entry)."""
+        host = lambda a: np.array(self.bk.host(a), copy=True)      # noqa: E731
+        entry = {"n": self.n, "residual": host(self.cur), "server_residual": host(self.server_cur),
+                 "algorithm": self.algorithm}
+        if self.vel_cur.size:
+            entry["velocity"] = host(self.vel_cur)
+            entry["velocity_scale"] = self.vscale
+        return entry
 
 
 class CompressionState:
@@ -49,37 +109,52 @@ class CompressionState:
         self._fresh_restore = False   # no compressed step since the last restore
         self._claimed_any = False
 
-    def bucket(self, key, n, server_n, algorithm, bk):
-        """The state of bucket ``key``, in the memory of backend ``bk`` (host or a GPU).
+    def bucket(self, key, n, server_n, algorithm, bk, velocity=0):
+        """The state of bucket ``key``, in the memory of backend ``bk`` (host or a GPU):
+        ``n`` residual, ``server_n`` server-residual and ``velocity`` velocity elements.
 
-        Keys do not depend on where the tensors live, so a residual follows its bucket
-        from host to GPU and back (it is copied over when the device changes).
+        Keys do not depend on where the tensors live, so a state follows its bucket from
+        host to GPU and back (it is copied over when the device changes).
         """
         st = self.buckets.get(key)
-        if st is not None and st.n == n and st.server_cur.size == server_n \
-                and st.device != (bk.device, bk.device_id):
-            moved = BucketState(n, server_n, algorithm, bk)
-            if n:
-                bk.upload(moved.cur, st.bk.host(st.cur))
-            if server_n:
-                bk.upload(moved.server_cur, st.bk.host(st.server_cur))
+        if st is not None and st.device != (bk.device, bk.device_id):
+            moved = BucketState(st.n, st.server_cur.size, st.algorithm, bk, st.vel_cur.size)
+            moved.upload(st.saved())
             self.buckets[key] = st = moved
-        if st is None or st.n != n or st.server_cur.size != server_n:
-            st = BucketState(n, server_n, algorithm, bk)
+        if st is None:
+            st = BucketState(n, server_n, algorithm, bk, velocity)
             saved = self.pending.pop(key, None)
             if saved is not None:
                 self._claimed_any = True
-                if saved["n"] == n and saved["server_residual"].size == server_n:
-                    if n:
-                        bk.upload(st.cur, saved["residual"])
-                    if server_n:
-                        bk.upload(st.server_cur, saved["server_residual"])
-                else:
-                    warnings.warn(f"gradfuse: checkpointed residual of bucket {key[1]} has a different "
-                                  f"size; starting that bucket from zero", RuntimeWarning, stacklevel=3)
+                if not st.upload(saved):
+                    warnings.warn(f"gradfuse: checkpointed state of bucket {key[1]} has a different size; "
+                                  f"starting the parts that differ from zero", RuntimeWarning, stacklevel=3)
             self.buckets[key] = st
-        st.algorithm = algorithm
+        else:
+            st.ensure(n, server_n, velocity)
+        if algorithm is not None:
+            st.algorithm = algorithm
         return st
+
+    def scale_velocity(self, factor):
+        """Multiply every velocity by ``factor`` at its bucket's next velocity update (folded
+        into the momentum there: ``u = (m * factor) * u + g``, one rounding of the product).
+
+        The MXNet binding calls it when the learning rate changes, with ``lr_old / lr_new``,
+        so that the velocity, kept in gradient units, stays MXNet's lr-scaled momentum buffer
+        (docs/mxnet.md). Call it between steps (no step of this pipeline in flight).
+        """
+        factor = float(factor)
+        if factor == 1.0:
+            return
+        if not np.isfinite(factor) or factor <= 0:
+            raise ValueError(f"scale_velocity: factor must be finite and > 0, got {factor!r}")
+        for st in self.buckets.values():
+            if st.vel_cur.size:
+                st.vscale *= factor
+        for saved in self.pending.values():
+            if saved.get("velocity") is not None and saved["velocity"].size:
+                saved["velocity_scale"] = float(saved.get("velocity_scale", 1.0)) * factor
 
     def claim_done(self, digest):
         """After a compressed step of plan ``digest`` has taken its buckets' residuals.
@@ -100,9 +175,7 @@ class CompressionState:
     def state_dict(self, config, world_size, rank):
         buckets = {}
         for (digest, b), st in self.buckets.items():
-            buckets[f"{digest}/{b}"] = {"n": st.n, "residual": np.array(st.bk.host(st.cur), copy=True),
-                                        "server_residual": np.array(st.bk.host(st.server_cur), copy=True),
-                                        "algorithm": st.algorithm}
+            buckets[f"{digest}/{b}"] = st.saved()
         for (digest, b), saved in self.pending.items():
             buckets.setdefault(f"{digest}/{b}", saved)
         return {"format": FORMAT, "compressor": config, "world_size": world_size, "rank": rank,
@@ -129,10 +202,13 @@ class CompressionState:
         self._fresh_restore, self._claimed_any = True, False
         for key, saved in sd["buckets"].items():
             digest, b = key.rsplit("/", 1)
-            self.pending[(digest, int(b))] = {
-                "n": int(saved["n"]), "residual": np.asarray(saved["residual"], np.float32).copy(),
-                "server_residual": np.asarray(saved["server_residual"], np.float32).copy(),
-                "algorithm": saved.get("algorithm", "allgather")}
+            entry = {"n": int(saved["n"]), "residual": np.asarray(saved["residual"], np.float32).copy(),
+                     "server_residual": np.asarray(saved["server_residual"], np.float32).copy(),
+                     "algorithm": saved.get("algorithm", "allgather")}
+            if saved.get("velocity") is not None:
+                entry["velocity"] = np.asarray(saved["velocity"], np.float32).copy()
+                entry["velocity_scale"] = float(saved.get("velocity_scale", 1.0))
+            self.pending[(digest, int(b))] = entry
         return True
 
 
@@ -144,18 +220,25 @@ def save_npz(sd, path):
     for i, (key, b) in enumerate(sd["buckets"].items()):
         arrays[f"r{i}"] = b["residual"]
         arrays[f"s{i}"] = b["server_residual"]
-        meta["buckets"][key] = {"n": b["n"], "algorithm": b["algorithm"], "i": i}
+        m = {"n": b["n"], "algorithm": b["algorithm"], "i": i}
+        if b.get("velocity") is not None:
+            arrays[f"v{i}"] = b["velocity"]
+            m["velocity_scale"] = float(b.get("velocity_scale", 1.0))
+        meta["buckets"][key] = m
     with open(path, "wb") as f:
         np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
 
 
 def load_npz(path):
-    """The ``state_dict()`` that ``save_npz`` wrote to ``path``."""
+    """The ``state_dict()`` that ``save_npz`` wrote to ``path`` (files without velocities too)."""
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(z["meta"].tobytes().decode())
         buckets = {}
         for key, b in meta["buckets"].items():
             buckets[key] = {"n": b["n"], "algorithm": b["algorithm"],
                             "residual": z[f"r{b['i']}"], "server_residual": z[f"s{b['i']}"]}
+            if f"v{b['i']}" in z.files:
+                buckets[key]["velocity"] = z[f"v{b['i']}"]
+                buckets[key]["velocity_scale"] = float(b.get("velocity_scale", 1.0))
     meta["buckets"] = buckets
     return meta

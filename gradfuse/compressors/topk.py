@@ -1,19 +1,30 @@
-"""top-k sparsification: the k largest |c| of each bucket, as values + indices.
+"""top-k sparsification: the k_i largest |c| of every tensor of a bucket, as values + indices.
 
-k = min(n, max(1, ceil(ratio * n))) per bucket (0 for an empty bucket). Ties go to the
-lower index; indices are uint32 positions inside the bucket, ascending. Payload: k float32
-values, then k uint32 indices. Residual: c, with the sent positions set to 0.
+Each tensor selects its own k_i = min(n_i, max(1, ceil(ratio * n_i))) elements (0 for an
+empty tensor), as GRACE and DGC do, so a small-magnitude tensor is never starved by a
+large one in the same bucket. Ties go to the lower index; indices are uint32 bucket
+positions, tensor after tensor, ascending. Payload: K = sum of k_i float32 values, then K
+uint32 indices. Residual: c, with the sent positions set to 0.
 """
 import math
 
 import numpy as np
 
 from .. import _core
-from .base import Compressor, array_module, kernels
+from .base import Compressor, array_module, kernels, tensor_counts
 
 
 def k_for(ratio, n):
     return 0 if n == 0 else min(n, max(1, math.ceil(ratio * n)))
+
+
+def ks_for(ratio, counts):
+    """k_i of every tensor (int64 array): ``k_for(ratio, n_i)``, vectorised (the same double
+    arithmetic as ``math.ceil(ratio * n)``)."""
+    c = np.asarray(counts, np.int64).reshape(-1)
+    k = np.minimum(c, np.maximum(1, np.ceil(ratio * c.astype(np.float64)).astype(np.int64)))
+    k[c == 0] = 0
+    return k
 
 
 def check_ratio(opts):
@@ -21,6 +32,12 @@ def check_ratio(opts):
     if isinstance(r, bool) or not isinstance(r, (int, float, np.floating, np.integer)) or not 0 < r <= 1:
         raise ValueError(f"option 'ratio' must be a number in (0, 1], got {r!r}")
     opts["ratio"] = float(r)
+
+
+def table_ks(ratio, table):
+    """``ks_for`` of the table rows lo..hi-1 (one k per row, as the sparse kernels take it)."""
+    _, _, cnt, lo, hi = table
+    return ks_for(ratio, np.asarray(cnt[lo:hi]))
 
 
 class TopK(Compressor):
@@ -32,14 +49,23 @@ class TopK(Compressor):
     def validate(self):
         check_ratio(self.options)
 
-    def payload_layout(self, n):
-        k = k_for(self.options["ratio"], n)
+    def ratio_at(self, ctx):
+        """The ratio of the step ``ctx`` describes (every k of the step derives from it)."""
+        return self.options["ratio"]
+
+    def bucket_layout(self, ctx):
+        k = int(ks_for(self.ratio_at(ctx), ctx.counts).sum())
         return [(np.dtype(np.float32), k), (np.dtype(np.uint32), k)]
 
     def compress(self, c, payloads, ctx):
         empty = np.zeros(0, np.float32)
-        _core.topk_compress_array(np.ascontiguousarray(c, np.float32), empty, empty,
-                                  payloads[0].size, payloads[0], payloads[1])
+        c = np.ascontiguousarray(c, np.float32)
+        counts = tensor_counts(ctx, c.size)
+        e = o = 0
+        for m, k in zip(counts, ks_for(self.ratio_at(ctx), counts).tolist()):
+            _core.topk_compress_array(c[e:e + m], empty, empty, k, payloads[0][o:o + k], payloads[1][o:o + k])
+            payloads[1][o:o + k] += np.uint32(e)        # tensor positions -> bucket positions
+            e, o = e + m, o + k
 
     def decompress(self, payloads, n, ctx):
         out = np.empty(n, np.float32)
@@ -49,7 +75,8 @@ class TopK(Compressor):
 
     def compress_table(self, table, e_in, e_out, payloads, ctx):
         src, off, cnt, lo, hi = table
-        return kernels(ctx).topk_compress(src, off, cnt, lo, hi, e_in, e_out, payloads[0].size, payloads[0], payloads[1])
+        return kernels(ctx).topk_compress(src, off, cnt, lo, hi, e_in, e_out, table_ks(self.ratio_at(ctx), table),
+                                          payloads[0], payloads[1])
 
     def decompress_sum_table(self, rows, table, divisor, ctx):
         dst, off, cnt, lo, hi = table

@@ -99,6 +99,23 @@ def resident(table):
     return r
 
 
+def _memo(table, key, make):
+    """``make()`` once per resident host table, ``key`` and device (derived device arrays,
+    e.g. the 1-bit layout of a plan's counts); every call for any other table."""
+    if not isinstance(table, Resident):
+        return make()
+    k = ("memo", _device()) + tuple(key)
+    v = table._dev.get(k)
+    if v is None:
+        v = table._dev[k] = make()
+    return v
+
+
+def _host(a):
+    """A host (numpy) view or copy of a table that may be a cupy array."""
+    return a if isinstance(a, np.ndarray) else a.get()
+
+
 def _upload(t):
     """The device copy of host table ``t`` (cached on ``Resident`` tables)."""
     if isinstance(t, Resident) and t.ndim == 1 and t.flags.c_contiguous:

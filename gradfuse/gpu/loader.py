@@ -80,7 +80,8 @@ FAMILIES = {
     "sparse": ("gf_sparse_check", "gf_sparse_add_array", "gf_sparse_add_table", "gf_sparse_add_serial",
                "gf_sparse_rows", "gf_sparse_div_array",
                "gf_sp_pass1", "gf_sp_hist", "gf_sp_select", "gf_sp_count", "gf_sp_scan", "gf_sp_write",
-               "gf_sp_pick", "gf_sp_iota"),
+               "gf_sp_take", "gf_sp_rk_draw", "gf_sp_pick"),
+    "momentum": ("gf_momentum_update", "gf_momentum_mask"),
 }
 
 _cp = None

@@ -7,6 +7,9 @@
  *   - 1-bit scale: 32 lane partial sums (lane k takes elements with (j-start)%32 == k,
  *     increasing j, from 0.0f), then the shfl_down tree 16, 8, 4, 2, 1
  *     (lane[i] = lane[i] + lane[i+off]), then total / (float)count.
+ *   - 1-bit blocks restart at every tensor of the table (a tensor's last block may be
+ *     short); each tensor's sign bits start on a new 32-bit word and its scales follow
+ *     the previous tensor's (docs/compressors.md, "1-bit: layout").
  *   - decompress-sum: ((v0 + v1) + v2) + ... starting from v0, then / (float)divisor
  *     unless divisor == 1.
  * No FMA (the build uses -ffp-contract=off; no fma intrinsics here).
@@ -117,19 +120,6 @@ static void gf_q_scatter(gf_qcur* cur, const float* stage, int64_t m)
     }
 }
 
-/* If the next m elements lie in one row, return their address and advance past
- * them; otherwise return NULL and leave the cursor where it was. */
-static float* gf_q_direct(gf_qcur* cur, int64_t m)
-{
-    while (cur->row < cur->hi && cur->counts[cur->row] - cur->pos <= 0) {
-        cur->row++; cur->pos = 0;
-    }
-    if (cur->row >= cur->hi || cur->counts[cur->row] - cur->pos < m) return NULL;
-    float* d = (float*)(uintptr_t)cur->ptrs[cur->row] + cur->pos;
-    cur->pos += m;
-    return d;
-}
-
 static float* gf_q_alloc(int64_t nfloats)
 {
     return (float*)malloc((size_t)(nfloats > 0 ? nfloats : 1) * sizeof(float));
@@ -218,7 +208,9 @@ GF_Q_AVX2 static void gf_ob_emit_avx2(const float* c, int64_t count, float s,
 }
 #endif
 
-/* One fused pass over the bucket. e_in/e_out NULL: no error feedback.
+/* One fused pass over the bucket, tensor by tensor: blocks restart at every tensor
+ * (a tensor's last block may be short), each tensor's words start at w, its scales at b.
+ * e_in/e_out NULL: no error feedback (else indexed by bucket position).
  * Returns the number of non-finite scales, or -1 on allocation failure. */
 static int64_t gf_onebit_compress(const int64_t* ptrs, const int64_t* counts,
                                   int64_t lo, int64_t hi, int64_t n,
@@ -229,28 +221,47 @@ static int64_t gf_onebit_compress(const int64_t* ptrs, const int64_t* counts,
     int64_t bsz = block < n ? block : ((n + 31) & ~(int64_t)31);
     float* stage = gf_q_alloc(bsz);
     if (!stage) return -1;
-    gf_qcur cur;
-    gf_qcur_init(&cur, ptrs, counts, lo, hi);
-    int64_t bad = 0;
+    int64_t bad = 0, pos = 0, w = 0, b = 0;
     int avx = GF_Q_HAVE_AVX2 && gf_use_avx2;
-    for (int64_t b = 0, start = 0; start < n; b++, start += block) {
-        int64_t cnt = n - start < block ? n - start : block;
-        int64_t npad = (cnt + 31) & ~(int64_t)31;
-        gf_q_gather(&cur, stage, cnt, e_in ? e_in + start : NULL);
-        for (int64_t k = cnt; k < npad; k++) stage[k] = 0.0f;
-        float s;
+    for (int64_t row = lo; row < hi; row++) {
+        int64_t m = counts[row];
+        if (m <= 0) continue;
+        const float* g = (const float*)(uintptr_t)ptrs[row];
+        for (int64_t k = 0; k < m; k += block, b++) {
+            int64_t cnt = m - k < block ? m - k : block;
+            int64_t npad = (cnt + 31) & ~(int64_t)31;
+            const float* c = g + k;
+            if (e_in || npad != cnt) {       /* stage c = g + e, zero padded to npad */
+                if (e_in) {
 #if GF_Q_HAVE_AVX2
-        if (avx) {
-            s = gf_ob_scale_avx2(stage, npad, cnt);
-            gf_ob_emit_avx2(stage, cnt, s, bits + (start >> 5), e_out ? e_out + start : NULL);
-        } else
+                    if (avx) gf_q_add_avx2(stage, g + k, e_in + pos + k, cnt);
+                    else
 #endif
-        {
-            s = gf_ob_scale_scalar(stage, npad, cnt);
-            gf_ob_emit_scalar(stage, cnt, s, bits + (start >> 5), e_out ? e_out + start : NULL);
+                    gf_q_add_scalar(stage, g + k, e_in + pos + k, cnt);
+                } else {
+                    gf_q_copy(stage, g + k, cnt);
+                }
+                for (int64_t q = cnt; q < npad; q++) stage[q] = 0.0f;
+                c = stage;
+            }
+            uint32_t* wb = bits + w + (k >> 5);
+            float* eo = e_out ? e_out + pos + k : NULL;
+            float s;
+#if GF_Q_HAVE_AVX2
+            if (avx) {
+                s = gf_ob_scale_avx2(c, npad, cnt);
+                gf_ob_emit_avx2(c, cnt, s, wb, eo);
+            } else
+#endif
+            {
+                s = gf_ob_scale_scalar(c, npad, cnt);
+                gf_ob_emit_scalar(c, cnt, s, wb, eo);
+            }
+            scales[b] = s;
+            if (!(fabsf(s) < INFINITY)) bad++;
         }
-        scales[b] = s;
-        if (!(fabsf(s) < INFINITY)) bad++;
+        w += (m + 31) >> 5;
+        pos += m;
     }
     free(stage);
     return bad;
@@ -311,36 +322,36 @@ static void gf_q_divide(float* acc, int64_t cnt, double divisor)
     }
 }
 
-/* bits: p rows of `wstride` words, scales: p rows of `sstride` floats. */
+/* bits: p rows of `wstride` words, scales: p rows of `sstride` floats, in the layout of
+ * gf_onebit_compress (per-tensor blocks and words). Blocks never straddle tensors, so
+ * every block is decoded straight into its tensor. Returns 0. */
 static int gf_onebit_decompress_sum(const uint32_t* bits, int64_t wstride,
                                     const float* scales, int64_t sstride, int64_t p,
                                     int64_t block, const int64_t* ptrs, const int64_t* counts,
                                     int64_t lo, int64_t hi, int64_t n, double divisor)
 {
     if (n <= 0) return 0;
-    int64_t bsz = block < n ? block : n;
-    float* acc = gf_q_alloc(bsz);
-    if (!acc) return -1;
-    gf_qcur cur;
-    gf_qcur_init(&cur, ptrs, counts, lo, hi);
     int avx = GF_Q_HAVE_AVX2 && gf_use_avx2;
-    for (int64_t b = 0, start = 0; start < n; b++, start += block) {
-        int64_t cnt = n - start < block ? n - start : block;
-        float* d = gf_q_direct(&cur, cnt);   /* block inside one tensor: no staging */
-        float* a = d ? d : acc;
-        for (int64_t r = 0; r < p; r++) {
-            const uint32_t* w = bits + r * wstride + (start >> 5);
-            float s = scales[r * sstride + b];
+    int64_t w = 0, b = 0;
+    for (int64_t row = lo; row < hi; row++) {
+        int64_t m = counts[row];
+        if (m <= 0) continue;
+        float* d = (float*)(uintptr_t)ptrs[row];
+        for (int64_t k = 0; k < m; k += block, b++) {
+            int64_t cnt = m - k < block ? m - k : block;
+            for (int64_t r = 0; r < p; r++) {
+                const uint32_t* wr = bits + r * wstride + w + (k >> 5);
+                float s = scales[r * sstride + b];
 #if GF_Q_HAVE_AVX2
-            if (avx) gf_ob_decode_avx2(w, s, cnt, a, r == 0);
-            else
+                if (avx) gf_ob_decode_avx2(wr, s, cnt, d + k, r == 0);
+                else
 #endif
-            gf_ob_decode_scalar(w, s, cnt, a, r == 0);
+                gf_ob_decode_scalar(wr, s, cnt, d + k, r == 0);
+            }
+            gf_q_divide(d + k, cnt, divisor);
         }
-        gf_q_divide(a, cnt, divisor);
-        if (!d) gf_q_scatter(&cur, acc, cnt);
+        w += (m + 31) >> 5;
     }
-    free(acc);
     return 0;
 }
 

@@ -71,6 +71,21 @@ cdef int _q_check_block(str name, int block) except -1:
     return 0
 
 
+cdef int _ob_sizes(const int64_t* counts, Py_ssize_t lo, Py_ssize_t hi, int block,
+                   int64_t* nwords, int64_t* nblocks) except -1:
+    """Words and scales of the 1-bit payload of rows lo..hi-1: every tensor's bits start on
+    a new word and its blocks restart, so sum ceil(n_i/32) words, sum ceil(n_i/block) scales."""
+    cdef Py_ssize_t i
+    nwords[0] = 0
+    nblocks[0] = 0
+    if counts == NULL:
+        return 0
+    for i in range(lo, hi):
+        nwords[0] += (counts[i] + 31) // 32
+        nblocks[0] += (counts[i] + block - 1) // block
+    return 0
+
+
 cdef int _q_check_divisor(str name, double divisor) except -1:
     cdef float f = <float> divisor
     if not (f == f) or f == 0.0 or f == float("inf") or f == -float("inf"):
@@ -90,18 +105,19 @@ cdef int64_t _onebit_compress_raw(str name, const int64_t* ptrs, const int64_t* 
                                   Py_ssize_t lo, Py_ssize_t hi, int64_t n,
                                   const float[::1] e_in, float[::1] e_out, int block,
                                   uint32_t[::1] bits, float[::1] scales) except -2:
-    cdef int64_t nwords = (n + 31) // 32, nblocks
+    cdef int64_t nwords, nblocks
     cdef int64_t r
     cdef const float* ein = NULL
     cdef float* eout = NULL
     _q_check_block(name, block)
-    nblocks = (n + block - 1) // block
+    _ob_sizes(counts, lo, hi, block, &nwords, &nblocks)
     _q_check_residual(name, e_in, e_out, n)
     if bits.shape[0] != nwords:
-        raise ValueError(f"{name}: bits must have ceil(n/32) = {nwords} words, got {bits.shape[0]}")
+        raise ValueError(f"{name}: bits must have {nwords} words (the sum over the tensors of "
+                         f"ceil(n_i/32)), got {bits.shape[0]}")
     if scales.shape[0] != nblocks:
-        raise ValueError(f"{name}: scales must have ceil(n/block) = {nblocks} floats, "
-                         f"got {scales.shape[0]}")
+        raise ValueError(f"{name}: scales must have {nblocks} floats (the sum over the tensors of "
+                         f"ceil(n_i/block)), got {scales.shape[0]}")
     if n == 0:
         return 0
     if e_in.shape[0] > 0:
@@ -120,11 +136,13 @@ def onebit_compress(const int64_t[::1] src_ptrs, const int64_t[::1] offsets,
                     uint32_t[::1] bits, float[::1] scales):
     """1-bit sign compression with per-block mean-|c| scales and error feedback.
 
-    c = g + e_in (or c = g when e_in/e_out are empty); for each block of ``block``
-    elements s = mean|c| in the canonical lane/tree order; bit = c >= 0; residual
+    c = g + e_in (or c = g when e_in/e_out are empty); blocks of ``block`` elements
+    restart at every tensor (row) of the table, a tensor's last block may be short;
+    for each block s = mean|c| in the canonical lane/tree order; bit = c >= 0; residual
     e_out = c - (s if bit else -s). e_in and e_out may be the same array; when they
-    differ e_in is never written. ``bits`` has ceil(n/32) words, ``scales``
-    ceil(n/block) floats. Returns the number of blocks whose scale is not finite.
+    differ e_in is never written. Each tensor's bits start on a new word: ``bits`` has
+    sum(ceil(n_i/32)) words, ``scales`` sum(ceil(n_i/block)) floats, tensor after
+    tensor. Returns the number of blocks whose scale is not finite.
     """
     cdef int64_t n = _q_table_n("onebit_compress", src_ptrs, offsets, counts, lo, hi)
     if n == 0:
@@ -146,21 +164,21 @@ def onebit_compress_array(const float[::1] x, const float[::1] e_in, float[::1] 
 cdef int _onebit_decompress_raw(str name, const uint32_t[:, :] bits, const float[:, :] scales,
                                 int block, const int64_t* ptrs, const int64_t* counts,
                                 Py_ssize_t lo, Py_ssize_t hi, int64_t n, double divisor) except -1:
-    cdef int64_t p = bits.shape[0], nwords = (n + 31) // 32, nblocks
+    cdef int64_t p = bits.shape[0], nwords, nblocks
     cdef int r
     _q_check_block(name, block)
     _q_check_divisor(name, divisor)
-    nblocks = (n + block - 1) // block
+    _ob_sizes(counts, lo, hi, block, &nwords, &nblocks)
     if p < 1:
         raise ValueError(f"{name}: need at least one payload row")
     if scales.shape[0] != p:
         raise ValueError(f"{name}: bits has {p} rows but scales has {scales.shape[0]}")
     if bits.shape[1] != nwords:
-        raise ValueError(f"{name}: bits rows must have ceil(n/32) = {nwords} words, "
-                         f"got {bits.shape[1]}")
+        raise ValueError(f"{name}: bits rows must have {nwords} words (the sum over the tensors "
+                         f"of ceil(n_i/32)), got {bits.shape[1]}")
     if scales.shape[1] != nblocks:
-        raise ValueError(f"{name}: scales rows must have ceil(n/block) = {nblocks} floats, "
-                         f"got {scales.shape[1]}")
+        raise ValueError(f"{name}: scales rows must have {nblocks} floats (the sum over the "
+                         f"tensors of ceil(n_i/block)), got {scales.shape[1]}")
     if n == 0:
         return 0
     _q_check_rows(name, "bits", bits.strides[0], bits.strides[1], sizeof(uint32_t), nwords)
@@ -180,8 +198,9 @@ def onebit_decompress_sum(const uint32_t[:, :] bits, const float[:, :] scales, i
                           double divisor):
     """Decode p 1-bit payloads (row r = rank r) and write their sum / divisor.
 
-    dst[j] = (((v_0 + v_1) + v_2) + ... + v_{p-1}) / (float)divisor, in float32,
-    starting from v_0; no division when divisor == 1.0.
+    The payload layout is onebit_compress's (per-tensor blocks and words) for the same
+    table counts. dst[j] = (((v_0 + v_1) + v_2) + ... + v_{p-1}) / (float)divisor, in
+    float32, starting from v_0; no division when divisor == 1.0.
     """
     cdef int64_t n = _q_table_n("onebit_decompress_sum", dst_ptrs, offsets, counts, lo, hi)
     if n == 0:

@@ -4,21 +4,31 @@
  * Everything here is integer selection logic plus one float32 add per element
  * (c = g + e) and float32 adds/divides on decompress, so the scalar and AVX2 paths
  * give identical bits by construction: the AVX2 code only speeds up the element-wise
- * add, the hash and the candidate scan, it never changes an order.
+ * add and the candidate scan, it never changes an order.
  *
- * Selection ("the k largest keys, ties to the lower index, indices ascending") is a
- * radix select on 32-bit keys, O(n), with no n-sized scratch:
- *   top-k:    raw = bits(c), key = raw & 0x7fffffff   (|c| as uint32: the order of |c|,
- *                                                      NaN patterns above +inf)
- *   random-k: raw = key = ~h, h = splitmix64(seed + i) >> 32 (largest ~h == smallest h)
- * The key is cut in three digits, bits 31..21, 20..10, 9..0. Level 1: a histogram of
- * the top digit (fused into the pass that produces c or h) gives the bin B1 holding the
- * k-th largest key. Then either (few candidates: the usual case) one scan collects the
- * (index, raw) of every element with top digit >= B1, in ascending index order, and
- * levels 2 and 3 and the output run on those candidates only; or (many candidates,
- * e.g. an all-zero bucket) levels 2, 3 and the output are each a pass over the source.
- * The levels give the threshold key T with count(key > T) < k <= count(key >= T); the
- * output is every element with key > T plus the first k - count(key > T) with key == T.
+ * Every tensor (row) of a table selects its own k (ks[row - lo]); indices are bucket
+ * positions, so the payload of a bucket is its tensors' selections one after another,
+ * ascending.
+ *
+ * Top-k selection of a tensor ("the k largest keys, ties to the lower index, indices
+ * ascending", key = bits(c) & 0x7fffffff: |c| as uint32, NaN patterns above +inf) is a
+ * radix select on the 32-bit keys, O(n), with no n-sized scratch. Tensors of at most
+ * GF_SP_SMALL elements cut the key at the exponent (bits 30..23: a 256-bin level 1),
+ * then bits 22..15, 14..7, 6..0, with the levels after the first on the candidates
+ * (elements at or above the level-1 bin of the k-th largest key) only. Larger ones cut
+ * the key in three digits, bits 31..21, 20..10, 9..0: level 1, a histogram of the top
+ * digit (fused into the pass that produces c), gives the bin B1 holding the k-th
+ * largest key; then either (few
+ * candidates: the usual case) one scan collects the (index, raw) of every element with
+ * top digit >= B1, in ascending index order, and levels 2 and 3 and the output run on
+ * those candidates only; or (many candidates, e.g. an all-zero tensor) levels 2, 3 and
+ * the output are each a pass over the tensor. Both give the threshold key T with
+ * count(key > T) < k <= count(key >= T); the output is every element with key > T plus
+ * the first k - count(key > T) with key == T.
+ *
+ * Random-k draws k_t positions of tensor t in O(k_t), stratified: stratum m of the
+ * tensor is [floor(m n / k), floor((m + 1) n / k)), and one position is drawn uniformly
+ * in each from splitmix64 (integer arithmetic only, so every device draws the same).
  *
  * Return codes of the int functions: >= 0 success (compress: the number of non-finite
  * c values), -1: out of memory.
@@ -38,12 +48,16 @@
 #define GF_SP_HAVE_AVX2 0
 #endif
 
-/* tests only: 1 forces the scratch-free path of gf_sp_select (levels over the source),
-   2 turns off the speculative candidate scan of random-k's first pass; 0: automatic */
+/* tests only: 0 automatic; 1 forces the large-tensor path without candidate buffers
+   (levels over the source) for every tensor; 2 the large-tensor path with candidates for
+   every tensor (no small-tensor path); 3 the small-tensor path for every tensor that
+   fits it (n <= GF_SP_SMALL) */
 static int gf_sp_test_mode = 0;
 
 #define GF_SP_B1 2048                   /* level-1 bins: key >> 21 */
-#define GF_SP_BLK 2048                  /* staging block of the hash/table streams */
+#define GF_SP_BLK 2048                  /* block of the fused c pass */
+#define GF_SP_SMALL 16384               /* tensors up to this size: the small-tensor select */
+#define GF_SP_GOLDEN 0x9e3779b97f4a7c15ULL
 
 static inline uint32_t gf_sp_fbits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 
@@ -54,137 +68,37 @@ static inline uint64_t gf_sp_splitmix64_mix(uint64_t z)
     return z ^ (z >> 31);
 }
 
-/* h_i of random-k: the high 32 bits of splitmix64 of the state seed + i. */
-static inline uint32_t gf_sp_rk_hash(uint64_t seed, uint64_t i)
-{
-    return (uint32_t) (gf_sp_splitmix64_mix(seed + i + 0x9e3779b97f4a7c15ULL) >> 32);
-}
-
 /* ------------------------------------------------------------------------------ */
-/* random-k keys: buf[i] = ~h(i0 + i), i < len                                      */
-
-static void gf_sp_rk_fill_scalar(uint64_t seed, int64_t i0, int64_t len, uint32_t* buf)
-{
-    int64_t i;
-    for (i = 0; i < len; i++)
-        buf[i] = ~gf_sp_rk_hash(seed, (uint64_t) (i0 + i));
-}
-
-#if GF_SP_HAVE_AVX2
-/* low 64 bits of a * c per lane, from 32-bit products (AVX2 has no vpmullq) */
-__attribute__((target("avx2")))
-static inline __m256i gf_sp_mul64c(__m256i a, uint64_t c)
-{
-    const __m256i clo = _mm256_set1_epi64x((long long) (c & 0xffffffffULL));
-    const __m256i chi = _mm256_set1_epi64x((long long) (c >> 32));
-    __m256i lo = _mm256_mul_epu32(a, clo);                              /* alo*clo */
-    __m256i x1 = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), clo);      /* ahi*clo */
-    __m256i x2 = _mm256_mul_epu32(a, chi);                              /* alo*chi */
-    __m256i cross = _mm256_slli_epi64(_mm256_add_epi64(x1, x2), 32);
-    return _mm256_add_epi64(lo, cross);
-}
-
-__attribute__((target("avx2")))
-static void gf_sp_rk_fill_avx2(uint64_t seed, int64_t i0, int64_t len, uint32_t* buf)
-{
-    int64_t i = 0;
-    const __m256i step = _mm256_set1_epi64x(8);
-    __m256i z0 = _mm256_add_epi64(_mm256_set1_epi64x((long long) (seed + (uint64_t) i0 + 0x9e3779b97f4a7c15ULL)),
-                                  _mm256_setr_epi64x(0, 1, 2, 3));
-    __m256i z1 = _mm256_add_epi64(z0, _mm256_set1_epi64x(4));
-    const __m256i ones = _mm256_set1_epi32(-1);
-    const __m256i perm = _mm256_setr_epi32(1, 3, 5, 7, 0, 2, 4, 6);
-    for (; i + 8 <= len; i += 8) {
-        __m256i a = z0, b = z1;
-        a = gf_sp_mul64c(_mm256_xor_si256(a, _mm256_srli_epi64(a, 30)), 0xbf58476d1ce4e5b9ULL);
-        b = gf_sp_mul64c(_mm256_xor_si256(b, _mm256_srli_epi64(b, 30)), 0xbf58476d1ce4e5b9ULL);
-        a = gf_sp_mul64c(_mm256_xor_si256(a, _mm256_srli_epi64(a, 27)), 0x94d049bb133111ebULL);
-        b = gf_sp_mul64c(_mm256_xor_si256(b, _mm256_srli_epi64(b, 27)), 0x94d049bb133111ebULL);
-        a = _mm256_xor_si256(a, _mm256_srli_epi64(a, 31));
-        b = _mm256_xor_si256(b, _mm256_srli_epi64(b, 31));
-        /* the high 32-bit words of the 4 + 4 lanes, in lane order */
-        __m256i ha = _mm256_permutevar8x32_epi32(a, perm);
-        __m256i hb = _mm256_permutevar8x32_epi32(b, perm);
-        __m256i h = _mm256_permute2x128_si256(ha, hb, 0x20);
-        _mm256_storeu_si256((__m256i*) (buf + i), _mm256_xor_si256(h, ones));
-        z0 = _mm256_add_epi64(z0, step);
-        z1 = _mm256_add_epi64(z1, step);
-    }
-    gf_sp_rk_fill_scalar(seed, i0 + i, len - i, buf + i);
-}
-#endif
-
-static inline void gf_sp_rk_fill(uint64_t seed, int64_t i0, int64_t len, uint32_t* buf)
-{
-#if GF_SP_HAVE_AVX2
-    if (gf_use_avx2) { gf_sp_rk_fill_avx2(seed, i0, len, buf); return; }
-#endif
-    gf_sp_rk_fill_scalar(seed, i0, len, buf);
-}
-
-/* ------------------------------------------------------------------------------ */
-/* key streams: the bucket's raw words in index order, one block at a time          */
-
-#define GF_SP_ARRAY 0   /* contiguous uint32 words (c in e_out) */
-#define GF_SP_TABLE 1   /* float32 tensors of a table */
-#define GF_SP_HASH 2    /* ~h_i of random-k, computed into a staging block */
+/* key streams: one tensor's raw words (contiguous: c in e_out, or the gradient)    */
 
 typedef struct {
-    int kind;
     uint32_t mask;              /* key = raw & mask */
-    int64_t n;
+    int64_t n;                  /* elements of the tensor */
+    int64_t base;               /* bucket position of its first element */
     const uint32_t* arr;
-    const int64_t *src, *offsets, *counts;
-    int64_t lo, hi;
-    uint64_t seed;
 } gf_sp_stream;
 
 typedef struct {
-    int64_t t, pos, j;          /* table row and position in it; next bucket index */
-    uint32_t buf[GF_SP_BLK];
+    int64_t j;                  /* next position inside the tensor */
 } gf_sp_iter;
 
 static void gf_sp_iter_init(const gf_sp_stream* s, gf_sp_iter* it)
 {
-    it->t = s->lo;
-    it->pos = 0;
+    (void) s;
     it->j = 0;
 }
 
-/* Next block: *p <- its raw words, *j0 <- bucket index of the first; returns its length (0: end). */
+/* Next block: *p <- its raw words, *j0 <- bucket position of the first; returns its length (0: end). */
 static int64_t gf_sp_next(const gf_sp_stream* s, gf_sp_iter* it, const uint32_t** p, int64_t* j0)
 {
     int64_t len;
-    if (s->kind == GF_SP_TABLE) {
-        while (it->t < s->hi && it->pos >= s->counts[it->t]) {
-            it->t++;
-            it->pos = 0;
-        }
-        if (it->t >= s->hi)
-            return 0;
-        len = s->counts[it->t] - it->pos;
-        if (len > (int64_t) 1 << 20)
-            len = (int64_t) 1 << 20;
-        *p = (const uint32_t*) (uintptr_t) s->src[it->t] + it->pos;
-        *j0 = s->offsets[it->t] + it->pos;
-        it->pos += len;
-        return len;
-    }
     if (it->j >= s->n)
         return 0;
-    if (s->kind == GF_SP_ARRAY) {
-        len = s->n - it->j;
-        if (len > (int64_t) 1 << 20)
-            len = (int64_t) 1 << 20;
-        *p = s->arr + it->j;
-    } else {
-        len = s->n - it->j;
-        if (len > GF_SP_BLK)
-            len = GF_SP_BLK;
-        gf_sp_rk_fill(s->seed, it->j, len, it->buf);
-        *p = it->buf;
-    }
-    *j0 = it->j;
+    len = s->n - it->j;
+    if (len > (int64_t) 1 << 20)
+        len = (int64_t) 1 << 20;
+    *p = s->arr + it->j;
+    *j0 = s->base + it->j;
     it->j += len;
     return len;
 }
@@ -221,17 +135,18 @@ static int64_t gf_sp_count_nonfinite(const uint32_t* raw, int64_t len)
 }
 
 /* ------------------------------------------------------------------------------ */
-/* candidate scan: (idx, raw) of every element with key >> 21 >= B1, ascending.     */
+/* candidate scan: (idx, raw) of every element with key >> sh >= B1, ascending      */
+/* (sh: 21, the large-tensor top digit, or 23, the small-tensor one).               */
 /* The branch-free scalar loop stores one slot past the last candidate.             */
 
 static int64_t gf_sp_scan_scalar(const uint32_t* raw, int64_t len, int64_t j0, uint32_t mask,
-                                 uint32_t B1, uint32_t* cidx, uint32_t* craw)
+                                 uint32_t B1, uint32_t* cidx, uint32_t* craw, int sh)
 {
     int64_t i, m = 0;
     for (i = 0; i < len; i++) {
         cidx[m] = (uint32_t) (j0 + i);
         craw[m] = raw[i];
-        m += ((raw[i] & mask) >> 21) >= B1;
+        m += ((raw[i] & mask) >> sh) >= B1;
     }
     return m;
 }
@@ -239,17 +154,18 @@ static int64_t gf_sp_scan_scalar(const uint32_t* raw, int64_t len, int64_t j0, u
 #if GF_SP_HAVE_AVX2
 __attribute__((target("avx2")))
 static int64_t gf_sp_scan_avx2(const uint32_t* raw, int64_t len, int64_t j0, uint32_t mask,
-                               uint32_t B1, uint32_t* cidx, uint32_t* craw)
+                               uint32_t B1, uint32_t* cidx, uint32_t* craw, int sh)
 {
     int64_t i = 0, m = 0;
-    /* key >> 21 >= B1 <=> (signed) key >> 21 > B1 - 1: both sides are in -1..2047 */
+    /* key >> sh >= B1 <=> (signed) key >> sh > B1 - 1: both sides are in -1..2047 */
     const __m256i vm = _mm256_set1_epi32((int) mask);
     const __m256i vb = _mm256_set1_epi32((int) B1 - 1);
+    const __m128i vs = _mm_cvtsi32_si128(sh);
     for (; i + 32 <= len; i += 32) {
-        __m256i k0 = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + i)), vm), 21);
-        __m256i k1 = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + i + 8)), vm), 21);
-        __m256i k2 = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + i + 16)), vm), 21);
-        __m256i k3 = _mm256_srli_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + i + 24)), vm), 21);
+        __m256i k0 = _mm256_srl_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + i)), vm), vs);
+        __m256i k1 = _mm256_srl_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + i + 8)), vm), vs);
+        __m256i k2 = _mm256_srl_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + i + 16)), vm), vs);
+        __m256i k3 = _mm256_srl_epi32(_mm256_and_si256(_mm256_loadu_si256((const __m256i*) (raw + i + 24)), vm), vs);
         uint32_t b0 = (uint32_t) _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k0, vb)));
         uint32_t b1 = (uint32_t) _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k1, vb)));
         uint32_t b2 = (uint32_t) _mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k2, vb)));
@@ -263,7 +179,7 @@ static int64_t gf_sp_scan_avx2(const uint32_t* raw, int64_t len, int64_t j0, uin
             bits &= bits - 1;
         }
     }
-    return m + gf_sp_scan_scalar(raw + i, len - i, j0 + i, mask, B1, cidx + m, craw + m);
+    return m + gf_sp_scan_scalar(raw + i, len - i, j0 + i, mask, B1, cidx + m, craw + m, sh);
 }
 #endif
 
@@ -340,30 +256,31 @@ static int64_t gf_sp_emit(const uint32_t* raw, const uint32_t* idx, int64_t len,
     return m;
 }
 
+/* Scratch of the large-tensor select, allocated once per kernel call. */
+typedef struct {
+    uint32_t h1[4 * GF_SP_B1];          /* level 1, 4 interleaved copies */
+    uint32_t h4[4 * GF_SP_HS];          /* levels 2 and 3 */
+    gf_sp_iter it;
+    uint32_t cidx[GF_SP_SMALL + 1], craw[GF_SP_SMALL + 1];   /* the small select's candidates */
+} gf_sp_scratch;
+
 /*
  * Select the k largest keys of the stream (ties to the lower index) into oidx[0..k-1]
- * ascending, and their raw words into oraw (if not NULL). hist1: the folded level-1
- * histogram. 0 < k < n. Returns 0, or -1 when out of memory.
+ * (bucket positions, ascending), and their raw words into oraw (if not NULL).
+ * hist1: the folded level-1 histogram. 0 < k < n. Returns 0 (the candidate buffers fall
+ * back on the scratch-free path when they cannot be allocated).
  */
 static int gf_sp_select(const gf_sp_stream* s, int64_t k, const uint32_t* hist1,
-                        uint32_t* oidx, uint32_t* oraw,
-                        const uint32_t* sidx, const uint32_t* sraw, int64_t nspec, uint32_t sB)
+                        uint32_t* oidx, uint32_t* oraw, gf_sp_scratch* sc)
 {
     static const int shifts[2] = {10, 0}, widths[2] = {11, 10};
     int64_t cum = 0, ncand, m, need, len, j0;
     uint32_t prefix;
-    uint32_t *cidx = NULL, *craw = NULL, *h4;
+    uint32_t *cidx = NULL, *craw = NULL, *h4 = sc->h4;
     const uint32_t* p;
-    gf_sp_iter* it;
+    gf_sp_iter* it = &sc->it;
     int lv;
 
-    it = (gf_sp_iter*) malloc(sizeof(gf_sp_iter));
-    h4 = (uint32_t*) malloc(4 * GF_SP_HS * sizeof(uint32_t));
-    if (it == NULL || h4 == NULL) {
-        free(it);
-        free(h4);
-        return -1;
-    }
     prefix = gf_sp_find_bin(hist1, GF_SP_B1, &cum, k);
     ncand = cum + (int64_t) hist1[prefix];
     if (gf_sp_test_mode != 1 && ncand <= s->n / 4 + 1024) {
@@ -378,24 +295,14 @@ static int gf_sp_select(const gf_sp_stream* s, int64_t k, const uint32_t* hist1,
     if (cidx != NULL) {
         /* few candidates: collect them, then levels 2, 3 and the output on them only */
         m = 0;
-        if (sidx != NULL && prefix >= sB) {
-            /* the speculative scan of pass 1 (top digit >= sB) holds every candidate */
-            int64_t i;
-            for (i = 0; i < nspec; i++) {
-                cidx[m] = sidx[i];
-                craw[m] = sraw[i];
-                m += ((sraw[i] & s->mask) >> 21) >= prefix;
-            }
-        } else {
-            gf_sp_iter_init(s, it);
-            while ((len = gf_sp_next(s, it, &p, &j0)) > 0) {
+        gf_sp_iter_init(s, it);
+        while ((len = gf_sp_next(s, it, &p, &j0)) > 0) {
 #if GF_SP_HAVE_AVX2
-                if (gf_use_avx2)
-                    m += gf_sp_scan_avx2(p, len, j0, s->mask, prefix, cidx + m, craw + m);
-                else
+            if (gf_use_avx2)
+                m += gf_sp_scan_avx2(p, len, j0, s->mask, prefix, cidx + m, craw + m, 21);
+            else
 #endif
-                    m += gf_sp_scan_scalar(p, len, j0, s->mask, prefix, cidx + m, craw + m);
-            }
+                m += gf_sp_scan_scalar(p, len, j0, s->mask, prefix, cidx + m, craw + m, 21);
         }
         /* m == ncand */
         for (lv = 0; lv < 2; lv++) {
@@ -425,9 +332,59 @@ static int gf_sp_select(const gf_sp_stream* s, int64_t k, const uint32_t* hist1,
             m += gf_sp_emit(p, NULL, len, j0, s->mask, prefix, &need, k - m,
                             oidx + m, oraw ? oraw + m : NULL);
     }
-    free(it);
-    free(h4);
     return 0;
+}
+
+/*
+ * The same for a small tensor (n <= GF_SP_SMALL): the digits are the exponent (bits
+ * 30..23: the key's bit 31 is 0), then bits 22..15, 14..7 and 6..0. Level 1 is a
+ * 256-bin histogram (4 interleaved copies) over the tensor; one scan collects the
+ * candidates (exponent >= the bin of the k-th largest key) into the scratch, and the
+ * other levels and the output run on those only. The same T and the same output as the
+ * large-tensor select (any digits give them).
+ */
+static void gf_sp_select_small(const gf_sp_stream* s, int64_t k, uint32_t* oidx, uint32_t* oraw,
+                               gf_sp_scratch* sc)
+{
+    static const int shifts[3] = {15, 7, 0}, widths[3] = {8, 8, 7};
+    uint32_t h[4 * 256];
+    uint32_t hl[257];                   /* bin 256: keys whose higher digits differ */
+    const uint32_t* raw = s->arr;
+    const uint32_t mask = s->mask;
+    int64_t i, m, cum = 0, need;
+    uint32_t prefix;
+    int lv;
+    memset(h, 0, sizeof(h));
+    for (i = 0; i + 4 <= s->n; i += 4) {
+        h[(raw[i] & mask) >> 23]++;
+        h[256 + ((raw[i + 1] & mask) >> 23)]++;
+        h[512 + ((raw[i + 2] & mask) >> 23)]++;
+        h[768 + ((raw[i + 3] & mask) >> 23)]++;
+    }
+    for (; i < s->n; i++)
+        h[(raw[i] & mask) >> 23]++;
+    for (i = 0; i < 256; i++)
+        h[i] += h[256 + i] + h[512 + i] + h[768 + i];
+    prefix = gf_sp_find_bin(h, 256, &cum, k);
+#if GF_SP_HAVE_AVX2
+    if (gf_use_avx2)
+        m = gf_sp_scan_avx2(raw, s->n, s->base, mask, prefix, sc->cidx, sc->craw, 23);
+    else
+#endif
+        m = gf_sp_scan_scalar(raw, s->n, s->base, mask, prefix, sc->cidx, sc->craw, 23);
+    for (lv = 0; lv < 3; lv++) {
+        const int shift = shifts[lv], top = shift + widths[lv];
+        const uint32_t dmask = ((uint32_t) 1 << widths[lv]) - 1;
+        memset(hl, 0, sizeof(hl));
+        for (i = 0; i < m; i++) {
+            uint32_t key = sc->craw[i] & mask;
+            uint32_t sel = (uint32_t) 0 - (uint32_t) ((key >> top) == prefix);
+            hl[(((key >> shift) & dmask) & sel) | (256u & ~sel)]++;
+        }
+        prefix = (prefix << widths[lv]) | gf_sp_find_bin(hl, (int64_t) 1 << widths[lv], &cum, k);
+    }
+    need = k - cum;
+    gf_sp_emit(sc->craw, sc->cidx, m, 0, mask, prefix, &need, k, oidx, oraw);
 }
 
 /* Level-1 histogram of a whole stream (plus the non-finite count when count_bad). */
@@ -446,17 +403,14 @@ static int64_t gf_sp_hist1_stream(const gf_sp_stream* s, uint32_t* h4, int count
 }
 
 /* k == n: everything, in order */
-static void gf_sp_take_all(const gf_sp_stream* s, gf_sp_iter* it, uint32_t* oidx, uint32_t* oraw)
+static void gf_sp_take_all(const gf_sp_stream* s, uint32_t* oidx, uint32_t* oraw)
 {
-    int64_t len, j0, i;
-    const uint32_t* p;
-    gf_sp_iter_init(s, it);
-    while ((len = gf_sp_next(s, it, &p, &j0)) > 0)
-        for (i = 0; i < len; i++) {
-            oidx[j0 + i] = (uint32_t) (j0 + i);
-            if (oraw)
-                oraw[j0 + i] = p[i];
-        }
+    int64_t i;
+    for (i = 0; i < s->n; i++) {
+        oidx[i] = (uint32_t) (s->base + i);
+        if (oraw)
+            oraw[i] = s->arr[i];
+    }
 }
 
 /* ------------------------------------------------------------------------------ */
@@ -476,6 +430,17 @@ static int64_t gf_sp_c_run_scalar(const float* g, const float* e, float* c, int6
     return bad;
 }
 
+/* c = g + e into c; returns the non-finite count (tensors that need no level-1 histogram) */
+static int64_t gf_sp_c_plain_scalar(const float* g, const float* e, float* c, int64_t cnt)
+{
+    int64_t i, bad = 0;
+    for (i = 0; i < cnt; i++) {
+        c[i] = g[i] + e[i];
+        bad += (gf_sp_fbits(c[i]) & 0x7fffffffu) >= 0x7f800000u;
+    }
+    return bad;
+}
+
 #if GF_SP_HAVE_AVX2
 __attribute__((target("avx2")))
 static int64_t gf_sp_c_run_avx2(const float* g, const float* e, float* c, int64_t cnt, uint32_t* h4)
@@ -491,168 +456,131 @@ static int64_t gf_sp_c_run_avx2(const float* g, const float* e, float* c, int64_
         _mm256_storeu_ps(c + i, v);
         __m256i kv = _mm256_and_si256(_mm256_castps_si256(v), vabs);
         vbad = _mm256_sub_epi32(vbad, _mm256_cmpgt_epi32(kv, vfin));
-        _mm256_storeu_si256((__m256i*) tmp, _mm256_srli_epi32(kv, 21));
-        h4[tmp[0]]++;
-        h4[GF_SP_B1 + tmp[1]]++;
-        h4[2 * GF_SP_B1 + tmp[2]]++;
-        h4[3 * GF_SP_B1 + tmp[3]]++;
-        h4[tmp[4]]++;
-        h4[GF_SP_B1 + tmp[5]]++;
-        h4[2 * GF_SP_B1 + tmp[6]]++;
-        h4[3 * GF_SP_B1 + tmp[7]]++;
+        if (h4) {
+            _mm256_storeu_si256((__m256i*) tmp, _mm256_srli_epi32(kv, 21));
+            h4[tmp[0]]++;
+            h4[GF_SP_B1 + tmp[1]]++;
+            h4[2 * GF_SP_B1 + tmp[2]]++;
+            h4[3 * GF_SP_B1 + tmp[3]]++;
+            h4[tmp[4]]++;
+            h4[GF_SP_B1 + tmp[5]]++;
+            h4[2 * GF_SP_B1 + tmp[6]]++;
+            h4[3 * GF_SP_B1 + tmp[7]]++;
+        }
     }
     _mm256_storeu_si256((__m256i*) tmp, vbad);
     for (t = 0; t < 8; t++)
         bad += tmp[t];
-    return bad + gf_sp_c_run_scalar(g + i, e + i, c + i, cnt - i, h4);
+    if (h4)
+        return bad + gf_sp_c_run_scalar(g + i, e + i, c + i, cnt - i, h4);
+    return bad + gf_sp_c_plain_scalar(g + i, e + i, c + i, cnt - i);
 }
 #endif
 
+/* c = g + e into c (and the level-1 histogram into h4 when not NULL); the non-finite count */
+static int64_t gf_sp_c_pass(const float* g, const float* e, float* c, int64_t cnt, uint32_t* h4)
+{
+#if GF_SP_HAVE_AVX2
+    if (gf_use_avx2)
+        return gf_sp_c_run_avx2(g, e, c, cnt, h4);
+#endif
+    return h4 ? gf_sp_c_run_scalar(g, e, c, cnt, h4) : gf_sp_c_plain_scalar(g, e, c, cnt);
+}
+
 /*
- * Top-k over a table. e_in/e_out: both NULL or both n long (may be equal). values,
- * indices: k long. Returns the number of non-finite c, or -1 when out of memory.
+ * Top-k over a table, k_t = ks[t - lo] of every tensor t (0 <= k_t <= counts[t]).
+ * e_in/e_out: both NULL or both n long (may be equal). values, indices: sum of ks long;
+ * tensor after tensor, bucket positions. Returns the number of non-finite c, or -1 when
+ * out of memory.
  */
 static int64_t gf_sp_topk(const int64_t* src, const int64_t* offsets, const int64_t* counts,
                           int64_t lo, int64_t hi, int64_t n,
-                          const float* e_in, float* e_out, int64_t k,
+                          const float* e_in, float* e_out, const int64_t* ks,
                           float* values, uint32_t* indices)
 {
-    uint32_t* h4;
-    gf_sp_iter* it;
+    gf_sp_scratch* sc = NULL;
     gf_sp_stream s;
-    int64_t t, m, nonfinite = 0;
-    int rc = 0;
-
-    h4 = (uint32_t*) calloc(4 * GF_SP_B1, sizeof(uint32_t));
-    it = (gf_sp_iter*) malloc(sizeof(gf_sp_iter));
-    if (h4 == NULL || it == NULL) {
-        free(h4);
-        free(it);
-        return -1;
-    }
-    memset(&s, 0, sizeof(s));
-    s.mask = 0x7fffffffu;
-    s.n = n;
-    if (e_out) {
-        /* pass 1: c = g + e into e_out, fused with the level-1 histogram */
-        for (t = lo; t < hi; t++) {
-            const float* g = (const float*) (uintptr_t) src[t];
-            int64_t off = offsets[t], cnt = counts[t];
-            if (cnt <= 0)
-                continue;
-#if GF_SP_HAVE_AVX2
-            if (gf_use_avx2)
-                nonfinite += gf_sp_c_run_avx2(g, e_in + off, e_out + off, cnt, h4);
-            else
-#endif
-                nonfinite += gf_sp_c_run_scalar(g, e_in + off, e_out + off, cnt, h4);
+    int64_t t, m, out = 0, nonfinite = 0;
+    (void) n;
+    for (t = lo; t < hi; t++) {
+        const float* g = (const float*) (uintptr_t) src[t];
+        int64_t off = offsets[t], cnt = counts[t], k = ks[t - lo];
+        int small, hist;
+        uint32_t* h1 = NULL;
+        if (cnt <= 0)
+            continue;
+        small = cnt <= GF_SP_SMALL && (gf_sp_test_mode == 3 || gf_sp_test_mode == 0);
+        hist = !small && k > 0 && k < cnt;          /* the large select needs level 1 */
+        if (k > 0 && k < cnt && sc == NULL && (sc = (gf_sp_scratch*) malloc(sizeof(gf_sp_scratch))) == NULL)
+            return -1;
+        if (hist) {
+            h1 = sc->h1;
+            memset(h1, 0, sizeof(sc->h1));
         }
-        gf_sp_hist1_fold(h4);
-        s.kind = GF_SP_ARRAY;
-        s.arr = (const uint32_t*) e_out;
-    } else {
-        s.kind = GF_SP_TABLE;
-        s.src = src;
-        s.offsets = offsets;
-        s.counts = counts;
-        s.lo = lo;
-        s.hi = hi;
-        nonfinite = gf_sp_hist1_stream(&s, h4, 1, it);
+        s.mask = 0x7fffffffu;
+        s.n = cnt;
+        s.base = off;
+        if (e_out) {
+            /* c = g + e into e_out, fused with the level-1 histogram */
+            nonfinite += gf_sp_c_pass(g, e_in + off, e_out + off, cnt, h1);
+            if (h1)
+                gf_sp_hist1_fold(h1);
+            s.arr = (const uint32_t*) (e_out + off);
+        } else {
+            s.arr = (const uint32_t*) g;
+            if (h1)
+                nonfinite += gf_sp_hist1_stream(&s, h1, 1, &sc->it);
+            else
+                nonfinite += gf_sp_count_nonfinite(s.arr, cnt);
+        }
+        if (k >= cnt)
+            gf_sp_take_all(&s, indices + out, (uint32_t*) values + out);
+        else if (k > 0 && small)
+            gf_sp_select_small(&s, k, indices + out, (uint32_t*) values + out, sc);
+        else if (k > 0)
+            gf_sp_select(&s, k, h1, indices + out, (uint32_t*) values + out, sc);
+        if (e_out)
+            for (m = out; m < out + k; m++)
+                e_out[indices[m]] = 0.0f;
+        out += k;
     }
-    if (k >= n)
-        gf_sp_take_all(&s, it, indices, (uint32_t*) values);
-    else if (k > 0)
-        rc = gf_sp_select(&s, k, h4, indices, (uint32_t*) values, NULL, NULL, 0, 0);
-    if (rc == 0 && e_out)
-        for (m = 0; m < k; m++)
-            e_out[indices[m]] = 0.0f;
-    free(h4);
-    free(it);
-    return rc < 0 ? -1 : nonfinite;
+    free(sc);
+    return nonfinite;
 }
 
 /* ------------------------------------------------------------------------------ */
 /* random-k                                                                         */
 
-/* out[0..k-1] <- the random-k indices (ascending). Returns 0 or -1 (out of memory). */
-static int gf_sp_randomk_indices(uint64_t seed, int64_t n, int64_t k, uint32_t* out)
+/*
+ * out <- the random-k positions of `rows` tensors (counts[0..rows), ks[0..rows), dense
+ * bucket positions), tensor after tensor, ascending. The t-th non-empty tensor (t = 0, 1,
+ * ...; empty tensors draw nothing and are not counted) draws from its own seed
+ * s_t = splitmix64_mix(seed + (t + 1) * golden); stratum m (0 <= m < k) of a tensor of n
+ * elements is [a, b) = [floor(m n / k), floor((m + 1) n / k)), and its position is
+ * a + ((h * (b - a)) >> 32) with h = splitmix64_mix(s_t + (m + 1) * golden) >> 32.
+ * O(k) per tensor; n < 2^32, so every product fits in 64 bits.
+ */
+static void gf_sp_randomk_draw(uint64_t seed, const int64_t* counts, const int64_t* ks, int64_t rows,
+                               uint32_t* out)
 {
-    uint32_t* h4;
-    gf_sp_iter* it;
-    gf_sp_stream s;
-    int64_t j, nbins, cap = 0, m = 0, len, j0;
-    uint32_t *sidx = NULL, *sraw = NULL, sB = 0;
-    const uint32_t* p;
-    int rc, overflow = 0;
-    if (k <= 0)
-        return 0;
-    if (k >= n) {
-        for (j = 0; j < n; j++)
-            out[j] = (uint32_t) j;
-        return 0;
-    }
-    h4 = (uint32_t*) calloc(4 * GF_SP_B1, sizeof(uint32_t));
-    it = (gf_sp_iter*) malloc(sizeof(gf_sp_iter));
-    if (h4 == NULL || it == NULL) {
-        free(h4);
-        free(it);
-        return -1;
-    }
-    memset(&s, 0, sizeof(s));
-    s.kind = GF_SP_HASH;
-    s.mask = 0xffffffffu;
-    s.n = n;
-    s.seed = seed;
-    /* The keys are hashes, so about (2048 - b) / 2048 * n of them have a top digit >= b:
-       pass 1 also collects, speculatively, the elements with a top digit >= sB, a bin
-       or more below where the k-th largest key should fall. If the true bin B1 is >= sB
-       (and the buffer did not fill up), the selection needs no second hash pass;
-       otherwise gf_sp_select scans the stream as usual. Same result either way. */
-    nbins = ((k + k / 8 + 256) * GF_SP_B1 + n - 1) / n + 1;
-    if (nbins < GF_SP_B1 && gf_sp_test_mode == 0) {
-        sB = (uint32_t) (GF_SP_B1 - nbins);
-        cap = nbins * n / GF_SP_B1;
-        cap += cap / 8 + 2 * GF_SP_BLK + 4096;
-        if (cap <= n / 4 + 1024) {
-            sidx = (uint32_t*) malloc((size_t) cap * sizeof(uint32_t));
-            sraw = (uint32_t*) malloc((size_t) cap * sizeof(uint32_t));
-            if (sidx == NULL || sraw == NULL) {
-                free(sidx);
-                free(sraw);
-                sidx = sraw = NULL;
+    int64_t r, pos = 0;
+    uint64_t m, t = 0;                  /* t: the index among the non-empty tensors */
+    for (r = 0; r < rows; r++) {
+        uint64_t n = (uint64_t) counts[r], k = (uint64_t) ks[r];
+        if (n == 0)
+            continue;
+        if (k > 0) {
+            uint64_t st = gf_sp_splitmix64_mix(seed + (t + 1) * GF_SP_GOLDEN);
+            for (m = 0; m < k; m++) {
+                uint64_t a = m * n / k, b = (m + 1) * n / k;
+                uint64_t h = gf_sp_splitmix64_mix(st + (m + 1) * GF_SP_GOLDEN) >> 32;
+                out[m] = (uint32_t) ((uint64_t) pos + a + ((h * (b - a)) >> 32));
             }
+            out += k;
         }
+        pos += counts[r];
+        t++;
     }
-    if (sidx != NULL) {
-        gf_sp_iter_init(&s, it);
-        while ((len = gf_sp_next(&s, it, &p, &j0)) > 0) {
-            gf_sp_hist1_run(p, len, s.mask, h4);
-            if (overflow)
-                continue;
-            if (m + len + 1 > cap) {
-                overflow = 1;
-                continue;
-            }
-#if GF_SP_HAVE_AVX2
-            if (gf_use_avx2)
-                m += gf_sp_scan_avx2(p, len, j0, s.mask, sB, sidx + m, sraw + m);
-            else
-#endif
-                m += gf_sp_scan_scalar(p, len, j0, s.mask, sB, sidx + m, sraw + m);
-        }
-        gf_sp_hist1_fold(h4);
-    } else {
-        gf_sp_hist1_stream(&s, h4, 0, it);
-    }
-    if (overflow || sidx == NULL)
-        rc = gf_sp_select(&s, k, h4, out, NULL, NULL, NULL, 0, 0);
-    else
-        rc = gf_sp_select(&s, k, h4, out, NULL, sidx, sraw, m, sB);
-    free(sidx);
-    free(sraw);
-    free(h4);
-    free(it);
-    return rc;
 }
 
 /*

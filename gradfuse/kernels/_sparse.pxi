@@ -6,9 +6,10 @@ cdef extern from "_sparse.h" nogil:
     int gf_sp_test_mode
     int64_t gf_sp_topk(const int64_t* src, const int64_t* offsets, const int64_t* counts,
                        int64_t lo, int64_t hi, int64_t n,
-                       const float* e_in, float* e_out, int64_t k,
+                       const float* e_in, float* e_out, const int64_t* ks,
                        float* values, uint32_t* indices)
-    int gf_sp_randomk_indices(uint64_t seed, int64_t n, int64_t k, uint32_t* out)
+    void gf_sp_randomk_draw(uint64_t seed, const int64_t* counts, const int64_t* ks, int64_t rows,
+                            uint32_t* out)
     int64_t gf_sp_gather_table(const int64_t* src, const int64_t* offsets, const int64_t* counts,
                                int64_t lo, int64_t hi, const float* e_in, float* e_out,
                                int64_t k, const uint32_t* indices, float* values)
@@ -51,13 +52,27 @@ cdef int _sp_check_common(str name, Py_ssize_t n, Py_ssize_t e_in_len, Py_ssize_
     if not (e_in_len == 0 and e_out_len == 0) and not (e_in_len == n and e_out_len == n):
         raise ValueError(f"{name}: e_in/e_out must both be empty or both {n} long, "
                          f"got {e_in_len} and {e_out_len}")
-    if k < 0 or k > n:
-        raise ValueError(f"{name}: k = {k} outside 0..{n}")
     if nvalues != k:
-        raise ValueError(f"{name}: values has {nvalues} elements, expected k = {k}")
+        raise ValueError(f"{name}: values has {nvalues} elements, expected the sum of ks = {k}")
     if nindices != k:
-        raise ValueError(f"{name}: indices has {nindices} elements, expected k = {k}")
+        raise ValueError(f"{name}: indices has {nindices} elements, expected the sum of ks = {k}")
     return 0
+
+
+cdef Py_ssize_t _sp_check_ks(str name, const int64_t[::1] counts, Py_ssize_t lo, Py_ssize_t hi,
+                             const int64_t[::1] ks) except -1:
+    """ks: one k per row lo..hi-1 (ks[i - lo]), 0 <= ks[i - lo] <= counts[i]; returns their sum."""
+    cdef Py_ssize_t i
+    cdef int64_t total = 0
+    if ks.shape[0] != hi - lo:
+        raise ValueError(f"{name}: ks has {ks.shape[0]} entries, expected one per table row "
+                         f"{lo}..{hi - 1} ({hi - lo})")
+    for i in range(lo, hi):
+        if ks[i - lo] < 0 or ks[i - lo] > counts[i]:
+            raise ValueError(f"{name}: ks[{i - lo}] = {ks[i - lo]} outside 0..{counts[i]} "
+                             f"(the element count of row {i})")
+        total += ks[i - lo]
+    return total
 
 
 cdef inline const float* _sp_fptr(const float[::1] a) noexcept:
@@ -77,27 +92,30 @@ cdef int64_t _sp_dummy_i64 = 0
 
 def topk_compress(const int64_t[::1] src_ptrs, const int64_t[::1] offsets, const int64_t[::1] counts,
                   Py_ssize_t lo, Py_ssize_t hi, const float[::1] e_in, float[::1] e_out,
-                  Py_ssize_t k, float[::1] values, uint32_t[::1] indices):
-    """Top-k with error feedback over table rows lo..hi-1 (one bucket of n elements).
+                  const int64_t[::1] ks, float[::1] values, uint32_t[::1] indices):
+    """Top-k with error feedback, per tensor, over table rows lo..hi-1 (one bucket of n elements).
 
-    c = g + e_in (c = g when e_in/e_out are empty). indices <- the k positions of the
-    largest |c| (as bits(c) & 0x7fffffff), ties to the lower position, ascending;
-    values[i] <- c[indices[i]]; e_out <- c with e_out[indices] = 0. e_out may be e_in;
+    c = g + e_in (c = g when e_in/e_out are empty). Row i selects its own ks[i - lo]
+    elements: the positions of its largest |c| (as bits(c) & 0x7fffffff), ties to the
+    lower position. indices <- those bucket positions, row after row (so ascending);
+    values[m] <- c[indices[m]]; e_out <- c with e_out[indices] = 0. e_out may be e_in;
     e_in is never written otherwise. Returns the number of non-finite c values.
     """
     cdef Py_ssize_t n = _sp_table_n("topk_compress", src_ptrs, offsets, counts, lo, hi)
+    cdef Py_ssize_t k = _sp_check_ks("topk_compress", counts, lo, hi, ks)
     cdef int64_t rc
     _sp_check_common("topk_compress", n, e_in.shape[0], e_out.shape[0], k,
                      values.shape[0], indices.shape[0])
     cdef const int64_t* sp = &src_ptrs[0] if src_ptrs.shape[0] > 0 else &_sp_dummy_i64
     cdef const int64_t* op = &offsets[0] if offsets.shape[0] > 0 else &_sp_dummy_i64
     cdef const int64_t* cp = &counts[0] if counts.shape[0] > 0 else &_sp_dummy_i64
+    cdef const int64_t* kp = &ks[0] if ks.shape[0] > 0 else &_sp_dummy_i64
     cdef const float* ei = _sp_fptr(e_in)
     cdef float* eo = _sp_wfptr(e_out)
     cdef float* vp = _sp_wfptr(values)
     cdef uint32_t* ip = _sp_uptr(indices)
     with nogil:
-        rc = gf_sp_topk(sp, op, cp, lo, hi, n, ei, eo, k, vp, ip)
+        rc = gf_sp_topk(sp, op, cp, lo, hi, n, ei, eo, kp, vp, ip)
     if rc < 0:
         raise MemoryError("topk_compress: out of memory for the selection scratch")
     return rc
@@ -105,76 +123,96 @@ def topk_compress(const int64_t[::1] src_ptrs, const int64_t[::1] offsets, const
 
 def topk_compress_array(const float[::1] x, const float[::1] e_in, float[::1] e_out,
                         Py_ssize_t k, float[::1] values, uint32_t[::1] indices):
-    """topk_compress of one contiguous float32 array (a 1-row table)."""
-    cdef int64_t[::1] tab = _sp_one_row(x)
-    return topk_compress(tab[0:1], tab[1:2], tab[2:3], 0, 1 if x.shape[0] > 0 else 0,
-                         e_in, e_out, k, values, indices)
+    """topk_compress of one contiguous float32 array (a 1-row table, k elements)."""
+    if k < 0 or k > x.shape[0]:
+        raise ValueError(f"topk_compress_array: k = {k} outside 0..{x.shape[0]}")
+    cdef int64_t[::1] tab = _sp_one_row(x, k)
+    cdef Py_ssize_t rows = 1 if x.shape[0] > 0 else 0
+    return topk_compress(tab[0:1], tab[1:2], tab[2:3], 0, rows, e_in, e_out, tab[3:3 + rows],
+                         values, indices)
 
 
-cdef int64_t[::1] _sp_one_row(const float[::1] x):
+cdef int64_t[::1] _sp_one_row(const float[::1] x, Py_ssize_t k):
     import numpy as _np
-    t = _np.zeros(3, dtype=_np.int64)
+    t = _np.zeros(4, dtype=_np.int64)
     cdef int64_t[::1] tab = t
     tab[0] = <int64_t> <uintptr_t> &x[0] if x.shape[0] > 0 else 0
     tab[1] = 0
     tab[2] = x.shape[0]
+    tab[3] = k
     return tab
 
 
-def randomk_indices(uint64_t seed, Py_ssize_t n, Py_ssize_t k, uint32_t[::1] out):
-    """out <- the k positions i in 0..n-1 with the smallest h_i, ties to the lower i, ascending.
+def randomk_indices(uint64_t seed, const int64_t[::1] counts, const int64_t[::1] ks, uint32_t[::1] out):
+    """out <- the random-k positions of a bucket of tensors with element counts ``counts``
+    (dense, in order), ks[t] of tensor t, as bucket positions, tensor after tensor
+    (ascending).
 
-    h_i = splitmix64_mix(seed + i + 0x9e3779b97f4a7c15) >> 32 (uint64 wrap-around).
+    The t-th non-empty tensor (t = 0, 1, ...; empty ones are not counted) draws from
+    s_t = splitmix64_mix(seed + (t + 1) * 0x9e3779b97f4a7c15): stratum
+    m of its n elements is [floor(m n / k), floor((m + 1) n / k)), and its position is
+    start + ((h * length) >> 32), h = splitmix64_mix(s_t + (m + 1) * 0x9e3779b97f4a7c15) >> 32.
     """
-    cdef int rc
-    if n < 0 or n > _SP_MAX_N:
-        raise ValueError(f"randomk_indices: n = {n} outside 0..{_SP_MAX_N}")
-    if k < 0 or k > n:
-        raise ValueError(f"randomk_indices: k = {k} outside 0..{n}")
-    if out.shape[0] != k:
-        raise ValueError(f"randomk_indices: out has {out.shape[0]} elements, expected k = {k}")
-    cdef uint32_t* op = _sp_uptr(out)
+    cdef Py_ssize_t t, rows = counts.shape[0]
+    cdef int64_t n = 0, total = 0
+    if ks.shape[0] != rows:
+        raise ValueError(f"randomk_indices: ks has {ks.shape[0]} entries, counts {rows}")
+    for t in range(rows):
+        if counts[t] < 0:
+            raise ValueError(f"randomk_indices: counts[{t}] = {counts[t]} is negative")
+        if ks[t] < 0 or ks[t] > counts[t]:
+            raise ValueError(f"randomk_indices: ks[{t}] = {ks[t]} outside 0..{counts[t]}")
+        n += counts[t]
+        total += ks[t]
+    if n > _SP_MAX_N:
+        raise ValueError(f"randomk_indices: bucket of {n} elements, more than {_SP_MAX_N} "
+                         "(indices are uint32 positions inside the bucket)")
+    if out.shape[0] != total:
+        raise ValueError(f"randomk_indices: out has {out.shape[0]} elements, expected the sum of ks = {total}")
+    if total == 0:
+        return
     with nogil:
-        rc = gf_sp_randomk_indices(seed, n, k, op)
-    if rc < 0:
-        raise MemoryError("randomk_indices: out of memory for the selection scratch")
+        gf_sp_randomk_draw(seed, &counts[0], &ks[0], rows, &out[0])
 
 
 def randomk_compress(const int64_t[::1] src_ptrs, const int64_t[::1] offsets, const int64_t[::1] counts,
                      Py_ssize_t lo, Py_ssize_t hi, const float[::1] e_in, float[::1] e_out,
-                     uint64_t seed, Py_ssize_t k, float[::1] values, uint32_t[::1] indices):
-    """Random-k with error feedback over table rows lo..hi-1.
+                     uint64_t seed, const int64_t[::1] ks, float[::1] values, uint32_t[::1] indices):
+    """Random-k with error feedback, per tensor, over table rows lo..hi-1.
 
-    indices <- randomk_indices(seed, n, k); c = g + e_in; values[i] <- c[indices[i]];
-    e_out <- c with e_out[indices] = 0. Returns the number of non-finite c values.
+    indices <- randomk_indices(seed, counts[lo:hi], ks) (row i is tensor i - lo); c = g + e_in;
+    values[m] <- c[indices[m]]; e_out <- c with e_out[indices] = 0. Returns the number of
+    non-finite c values.
     """
     cdef Py_ssize_t n = _sp_table_n("randomk_compress", src_ptrs, offsets, counts, lo, hi)
+    cdef Py_ssize_t k = _sp_check_ks("randomk_compress", counts, lo, hi, ks)
     cdef int64_t rc = 0
-    cdef int rci
     _sp_check_common("randomk_compress", n, e_in.shape[0], e_out.shape[0], k,
                      values.shape[0], indices.shape[0])
     cdef const int64_t* sp = &src_ptrs[0] if src_ptrs.shape[0] > 0 else &_sp_dummy_i64
     cdef const int64_t* op = &offsets[0] if offsets.shape[0] > 0 else &_sp_dummy_i64
     cdef const int64_t* cp = &counts[0] if counts.shape[0] > 0 else &_sp_dummy_i64
+    cdef const int64_t* kp = &ks[0] if ks.shape[0] > 0 else &_sp_dummy_i64
     cdef const float* ei = _sp_fptr(e_in)
     cdef float* eo = _sp_wfptr(e_out)
     cdef float* vp = _sp_wfptr(values)
     cdef uint32_t* ip = _sp_uptr(indices)
     with nogil:
-        rci = gf_sp_randomk_indices(seed, n, k, ip)
-        if rci == 0:
-            rc = gf_sp_gather_table(sp, op, cp, lo, hi, ei, eo, k, ip, vp)
-    if rci < 0:
-        raise MemoryError("randomk_compress: out of memory for the selection scratch")
+        if k > 0:
+            gf_sp_randomk_draw(seed, cp + lo, kp, hi - lo, ip)
+        rc = gf_sp_gather_table(sp, op, cp, lo, hi, ei, eo, k, ip, vp)
     return rc
 
 
 def randomk_compress_array(const float[::1] x, const float[::1] e_in, float[::1] e_out,
                            uint64_t seed, Py_ssize_t k, float[::1] values, uint32_t[::1] indices):
-    """randomk_compress of one contiguous float32 array (a 1-row table)."""
-    cdef int64_t[::1] tab = _sp_one_row(x)
-    return randomk_compress(tab[0:1], tab[1:2], tab[2:3], 0, 1 if x.shape[0] > 0 else 0,
-                            e_in, e_out, seed, k, values, indices)
+    """randomk_compress of one contiguous float32 array (a 1-row table, tensor 0, k elements)."""
+    if k < 0 or k > x.shape[0]:
+        raise ValueError(f"randomk_compress_array: k = {k} outside 0..{x.shape[0]}")
+    cdef int64_t[::1] tab = _sp_one_row(x, k)
+    cdef Py_ssize_t rows = 1 if x.shape[0] > 0 else 0
+    return randomk_compress(tab[0:1], tab[1:2], tab[2:3], 0, rows, e_in, e_out, seed, tab[3:3 + rows],
+                            values, indices)
 
 
 cdef int _sp_check_payloads(str name, const float[:, ::1] values, const uint32_t[:, ::1] indices,
@@ -243,10 +281,12 @@ def sparse_decompress_sum_array(const float[:, ::1] values, const uint32_t[:, ::
 
 
 def _sparse_select_mode(int mode):
-    """Tests only: 0 automatic; 1 forces the selection's scratch-free path (every level
-    a pass over the source) that large ties (e.g. an all-zero bucket) take; 2 turns off
-    the speculative candidate scan in random-k's first pass."""
+    """Tests only: 0 automatic; 1 forces the large-tensor select's scratch-free path (every
+    level a pass over the source, as large ties, e.g. an all-zero tensor, take) for every
+    tensor; 2 the large-tensor select with its candidate buffers for every tensor (no
+    small-tensor path); 3 the small-tensor select for every tensor that fits it (at most
+    4096 elements)."""
     global gf_sp_test_mode
-    if mode not in (0, 1, 2):
-        raise ValueError(f"_sparse_select_mode: mode {mode} not in 0, 1, 2")
+    if mode not in (0, 1, 2, 3):
+        raise ValueError(f"_sparse_select_mode: mode {mode} not in 0, 1, 2, 3")
     gf_sp_test_mode = mode

@@ -3,6 +3,7 @@ KVStore interface, registered with MXNet when this module is imported."""
 import mxnet as mx
 
 from .. import collectives as _coll
+from ..compressors.momentum import pipeline_momentum
 from ..pipeline import Pipeline
 from .arrays import _view
 from .basics import _comm_of, _ranks_of, _span, global_process_set, init, is_initialized, rank, size
@@ -32,6 +33,14 @@ class KVStore(mx.kvstore.KVStoreBase):
     ``set_gradient_compression({'type': NAME, **options})`` selects a gradfuse
     compressor (Gluon's ``compression_params``). The optimizer stays in the Trainer
     (``is_capable('optimizer')`` is False; ``update_on_kvstore`` is off).
+
+    DGC's momentum correction: the store does not see the optimizer, so it takes the
+    momentum as a compressor option, ``KVStore(compress='1bit', momentum=0.9)`` or
+    ``{'type': '1bit', 'momentum': 0.9}``: each rank keeps its velocity of the raw gradients
+    in the compressor state and the sum carries the velocities. Give the Trainer's
+    optimizer ``momentum=0``: a Trainer whose optimizer still has momentum is refused at
+    its first step (momentum applied twice diverges). The optimizer's wd, clipping and
+    rescaling then act on the velocity sum (docs/mxnet.md).
     """
 
     def __init__(self, compress=None, process_set=global_process_set, average=False,
@@ -47,6 +56,8 @@ class KVStore(mx.kvstore.KVStoreBase):
         self._seq = None            # the learned key sequence of one Trainer pass
         self._learning = []
         self._pending = []          # (key, arrays) deferred in this pass
+        self._trainer_checked = False
+        self._velocity = False      # the pipeline runs DGC's momentum correction
 
     # --- what Trainer asks ------------------------------------------------------------
     @property
@@ -105,12 +116,20 @@ class KVStore(mx.kvstore.KVStoreBase):
         """Sum ``value`` over devices and ranks into ``out`` (default: ``value``)."""
         keys, values, outs = self._normalize(key, value, out)
         entries = list(zip(keys, values, outs))
-        caller = _caller_is_trainer()
+        trainer = _calling_trainer()
+        caller = trainer is not None
+        if caller and not self._trainer_checked:
+            self._check_trainer(trainer)
         if not caller or len(entries) != 1:
             self._flush()
             self._reduce(entries)
             return
         k = keys[0]
+        if self._seq is None and not self._learning and self._velocity:
+            # a velocity (or residual) is keyed by the fused call's plan: learning the sequence
+            # from a first pass of one-key calls would start the fused plan from zero, so
+            # take the sequence from the Trainer's parameters (its _allreduce_grads order)
+            self._seq = _dense_keys(trainer)
         if self._seq is None:
             if k in self._learning:             # a new pass began: the sequence is known
                 self._seq, self._learning = self._learning, []
@@ -128,6 +147,21 @@ class KVStore(mx.kvstore.KVStoreBase):
         self._flush()
         self._seq, self._learning = None, [k]
         self._reduce(entries)
+
+    def _check_trainer(self, trainer):
+        """Refuse a Trainer whose optimizer still has momentum when this store applies it."""
+        vel = pipeline_momentum(self.pipeline.policy if hasattr(self.pipeline, "policy")
+                                else self.pipeline.compressor)
+        opt = getattr(trainer, "_optimizer", None)
+        m = getattr(opt, "momentum", 0.0) or 0.0
+        if vel and m:
+            raise ValueError(f"dist_gradfuse: the KVStore applies momentum={vel[0]} (DGC's momentum correction, "
+                             f"compressor {self.pipeline.compressor.name!r}), and the Trainer's optimizer "
+                             f"{type(opt).__name__.lower()} has momentum={m} too: momentum applied twice "
+                             f"diverges. Give the optimizer momentum=0 (the store keeps the velocity), or drop "
+                             f"the store's momentum option")
+        self._trainer_checked = True
+        self._velocity = bool(vel)
 
     def _flush(self):
         pending, self._pending = self._pending, []
@@ -163,12 +197,20 @@ class KVStore(mx.kvstore.KVStoreBase):
                     dst[:] = src
 
 
-def _caller_is_trainer():
-    """True when pushpull is called from gluon.Trainer._allreduce_grads (whose loop reads
-    no gradient until it has pushed them all, so keys may be deferred to its last)."""
+def _dense_keys(trainer):
+    """The keys gluon.Trainer._allreduce_grads pushpulls, in its order (dense gradients)."""
+    return [i for i, p in enumerate(trainer._params)
+            if p.grad_req != "null" and p.list_grad()[0].stype == "default"]
+
+
+def _calling_trainer():
+    """The gluon.Trainer whose _allreduce_grads calls pushpull, or None (that loop reads no
+    gradient until it has pushed them all, so keys may be deferred to its last)."""
     import sys
     f = sys._getframe(2)
-    return f.f_code is mx.gluon.Trainer._allreduce_grads.__code__
+    if f.f_code is mx.gluon.Trainer._allreduce_grads.__code__:
+        return f.f_locals.get("self")
+    return None
 
 
 _registered = type("dist_gradfuse", (KVStore,), {"__doc__": KVStore.__doc__,

@@ -2,6 +2,7 @@
 ``DistributedTrainer`` (a ``gluon.Trainer``), both averaging gradients through
 ``_Reducer`` (fused, in place, optionally bucket by bucket overlapping backward).
 """
+import contextlib
 import os
 import pickle
 import warnings
@@ -14,6 +15,7 @@ from .. import collectives as _coll
 from ..pipeline import Pipeline
 from .arrays import _view
 from .basics import _comm_of, _span, global_process_set, rank
+from . import momentum as _momentum
 from .compression import Compression, NoneCompressor
 from .errors import _wait
 
@@ -127,20 +129,33 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         num_groups: split each aggregated update into this many allreduce calls
             (0: one fused call).
         process_set: the ranks that average together.
+        compress: a gradfuse compressor (as ``DistributedTrainer``'s; default none).
+        momentum_correction: DGC's momentum correction (``DistributedTrainer``): None turns
+            it on for SGD and NAG with momentum and a lossy compressor, True forces it
+            (other optimizers: ValueError), False keeps the optimizer's momentum.
+        **compressor_options: passed to the compressor.
 
     Aggregated updates (``optimizer.aggregate_num > 1``) are reduced in one fused
-    call; names are the parameter indices, as Horovod's.
+    call; names are the parameter indices, as Horovod's. With the correction each group of
+    indices MXNet updates together has its own pipeline (its velocity), and pickling the
+    optimizer (``Trainer.save_states``) keeps this rank's velocities: save it per rank.
     """
 
-    _OWN = ("_optimizer", "_gradient_predivide_factor", "_num_groups", "_process_set", "_reducer")
+    _OWN = ("_optimizer", "_gradient_predivide_factor", "_num_groups", "_process_set", "_reducer",
+            "_compress", "_compressor_options", "_correction", "_reducers", "_saved")
 
     def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0,
-                 process_set=global_process_set):
+                 process_set=global_process_set, compress=None, momentum_correction=None,
+                 **compressor_options):
         self.__dict__["_optimizer"] = optimizer
         self._gradient_predivide_factor = float(gradient_predivide_factor)
         self._num_groups = num_groups
         self._process_set = process_set
         self._reducer = None
+        self._compress, self._compressor_options, self._correction = _momentum.setup(
+            optimizer, compress, dict(compressor_options), momentum_correction, "DistributedOptimizer")
+        self._reducers = {}          # with the correction: indices -> _Reducer (its velocity)
+        self._saved = {}             # pickled velocities, loaded when their reducer is made
 
     def __getattr__(self, item):
         if item.startswith("__") or item == "_optimizer":
@@ -158,22 +173,53 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     def __getstate__(self):
         state = dict(self.__dict__)
         state["_reducer"] = None          # a communicator does not pickle
+        # this rank's velocities (numpy state dicts) travel; the reducers are made again
+        state["_saved"] = dict(self._saved, **{k: [p.state_dict() for p in r.pipelines]
+                                               for k, r in self._reducers.items()})
+        state["_reducers"] = {}
         return state
 
     def __setstate__(self, state):
+        state.setdefault("_correction", None)
+        state.setdefault("_reducers", {})
+        state.setdefault("_saved", {})
         self.__dict__.update(state)
 
+    def _neutral(self):
+        if self._correction is None or not self._process_set.included():
+            return contextlib.nullcontext()
+        return self._correction.neutral(self._optimizer)
+
     def create_state(self, index, weight):
-        return self._optimizer.create_state(index, weight)
+        with self._neutral():
+            return self._optimizer.create_state(index, weight)
 
     def create_state_multi_precision(self, index, weight):
-        return self._optimizer.create_state_multi_precision(index, weight)
+        with self._neutral():
+            return self._optimizer.create_state_multi_precision(index, weight)
+
+    def _corrected(self, index, weight, grad):
+        """The momentum correction's half of an update: d, the velocity, the exchange."""
+        idx = list(index) if isinstance(index, (tuple, list)) else [index]
+        ws = list(weight) if isinstance(index, (tuple, list)) else [weight]
+        gs = list(grad) if isinstance(index, (tuple, list)) else [grad]
+        key = tuple(idx)
+        red = self._reducers.get(key)
+        if red is None:
+            red = self._reducers[key] = _Reducer(self._process_set, self._compress, self._compressor_options)
+            for g, sd in enumerate(self._saved.pop(key, [])):
+                red._pipe(g).load_state_dict(sd)
+        self._correction.prepare(self._optimizer, idx, gs, ws)
+        f = self._correction.lr_factor(self._optimizer, idx, key)
+        for p in red.pipelines:
+            p.state.scale_velocity(f)
+        red.reduce_(gs, [str(i) for i in idx], self._num_groups, predivide=self._gradient_predivide_factor)
 
     def _do_allreduce(self, index, grad):
         if self._process_set.size() == 1:
             return
         if self._reducer is None:
-            self._reducer = _Reducer(self._process_set, None, {})
+            self._reducer = _Reducer(self._process_set, self._compress, self._compressor_options)
         if isinstance(index, (tuple, list)):
             self._reducer.reduce_(list(grad), [str(i) for i in index], self._num_groups,
                                   predivide=self._gradient_predivide_factor)
@@ -181,11 +227,19 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             self._reducer.reduce_([grad], [str(index)], predivide=self._gradient_predivide_factor)
 
     def update(self, index, weight, grad, state):
+        if self._correction is not None and self._process_set.included():
+            self._corrected(index, weight, grad)
+            with self._neutral():
+                return self._optimizer.update(index, weight, grad, state)
         if self._process_set.included():
             self._do_allreduce(index, grad)
         self._optimizer.update(index, weight, grad, state)
 
     def update_multi_precision(self, index, weight, grad, state):
+        if self._correction is not None and self._process_set.included():
+            self._corrected(index, weight, grad)
+            with self._neutral():
+                return self._optimizer.update_multi_precision(index, weight, grad, state)
         if self._process_set.included():
             self._do_allreduce(index, grad)
         self._optimizer.update_multi_precision(index, weight, grad, state)
@@ -225,6 +279,12 @@ class DistributedTrainer(mx.gluon.Trainer):
         fusion_threshold: gradfuse's bucket size in bytes (default: the pipeline's).
         overlap: reduce bucket by bucket in reverse parameter order, each bucket as
             soon as backward has written its gradients, while the rest are computed.
+        momentum_correction: DGC's momentum correction (docs/mxnet.md). None (default):
+            on for SGD and NAG with momentum > 0 and a lossy compressor with error feedback
+            (1bit, 2bit, topk, randomk): each rank keeps its velocity in the compressor
+            state, error feedback accumulates it, and the optimizer runs without momentum.
+            True: on for any compressor (also ``compress=None``); other optimizers raise
+            ValueError. False: the optimizer keeps its momentum.
         **compressor_options: passed to the compressor (e.g. ``ratio=0.01``).
 
     ``save_states(f)`` writes the optimizer state to ``f`` exactly as ``gluon.Trainer``
@@ -235,7 +295,7 @@ class DistributedTrainer(mx.gluon.Trainer):
     def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
                  gradient_predivide_factor=1.0, prefix=None, num_groups=0,
                  process_set=global_process_set, compress=None, fusion_threshold=None,
-                 overlap=False, **compressor_options):
+                 overlap=False, momentum_correction=None, **compressor_options):
         self._overlap = bool(overlap)
         self._compression = compression
         self._process_set = process_set
@@ -255,7 +315,10 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._num_groups = num_groups
         self._gradient_predivide_factor = float(gradient_predivide_factor)
         self._reducer = None
+        self._correction = None
         if process_set.included() is not False:
+            compress, compressor_options, self._correction = _momentum.setup(
+                self._optimizer, compress, dict(compressor_options), momentum_correction, "DistributedTrainer")
             self._reducer = _Reducer(process_set, compress, compressor_options, fusion_threshold)
 
     @property
@@ -277,21 +340,40 @@ class DistributedTrainer(mx.gluon.Trainer):
         return grads, names
 
     def _allreduce_grads(self):
+        if self._correction is not None:        # the velocity lives here, on one rank too
+            idx = [i for i, p in enumerate(self._params) if p.grad_req != "null"]
+            grads, names = self._grads()
+            self._correction.prepare(self._optimizer, idx, grads,
+                                     [self._params[i].list_data()[0] for i in idx])
+            f = self._correction.lr_factor(self._optimizer, idx)
+            for p in self._reducer.pipelines:
+                p.state.scale_velocity(f)
+            self._reducer.reduce_(grads, names, self._num_groups, self._compression,
+                                  self._gradient_predivide_factor, overlap=self._overlap)
+            return
         if self._process_set.size() == 1 or not self._process_set.included():
             return
         grads, names = self._grads()
         self._reducer.reduce_(grads, names, self._num_groups, self._compression,
                               self._gradient_predivide_factor, overlap=self._overlap)
 
+    def _update(self, ignore_stale_grad=False):
+        if self._correction is None:
+            return super()._update(ignore_stale_grad)
+        # momentum, wd, clipping and rescaling are in the velocity: the optimizer steps by lr * it
+        with self._correction.neutral(self._optimizer):
+            return super()._update(ignore_stale_grad)
+
     def save_states(self, fname):
         """Save the optimizer state (gluon's format) and this rank's compressor state."""
         super().save_states(fname)
         pipes = self._reducer.pipelines if self._reducer is not None else []
         if pipes and all(hasattr(p, "state_dict") for p in pipes):
+            side = {"format": "gradfuse.mxnet/1", "rank": rank(), "pipelines": [p.state_dict() for p in pipes]}
+            if self._correction is not None:
+                side["momentum_correction"] = self._correction.state()      # the last lr (velocity scale)
             with open(_sidecar(fname), "wb") as f:
-                pickle.dump({"format": "gradfuse.mxnet/1", "rank": rank(),
-                             "pipelines": [p.state_dict() for p in pipes]},
-                            f, protocol=pickle.HIGHEST_PROTOCOL)
+                pickle.dump(side, f, protocol=pickle.HIGHEST_PROTOCOL)
 
     def load_states(self, fname):
         """Load what ``save_states`` wrote (the compressor part only if it exists)."""
@@ -302,4 +384,6 @@ class DistributedTrainer(mx.gluon.Trainer):
                 saved = pickle.load(f)
             for g, state in enumerate(saved["pipelines"]):
                 self._reducer._pipe(g).load_state_dict(state)
+            if self._correction is not None:
+                self._correction.load(saved.get("momentum_correction"))
 

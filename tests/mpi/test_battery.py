@@ -39,10 +39,10 @@ def test_sizes_against_numpy_reference(world, name):
             np.testing.assert_allclose(got, np.sum(everyone, axis=0), rtol=tol, atol=tol * p)
             continue
         # the first step of an error-feedback compressor: residual 0, so c = g
-        ctx = BucketContext(bucket=0, step=pipe.state_dict()["step"] - 1)
+        ctx = BucketContext(bucket=0, step=pipe.state_dict()["step"] - 1, counts=(n,))
         dec = []
         for x in everyone:
-            pl = [np.zeros(c, d) for d, c in comp.payload_layout(n)]
+            pl = [np.zeros(c, d) for d, c in comp.bucket_layout(ctx)]
             comp.compress(x, pl, ctx)
             dec.append(comp.decompress(pl, n, ctx))
         ref = dec[0].copy() if n else np.zeros(0, np.float32)

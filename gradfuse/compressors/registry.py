@@ -1,0 +1,54 @@
+"""The compressor registry: names to compressor classes, ``create`` and ``available``.
+
+Contract of an extension point: a compressor is a class registered under a name with
+``register_compressor``. ``Pipeline(compress=NAME, **options)`` looks it up here; an
+unknown name raises a ``ValueError`` that lists the valid names. ``get_config()``
+returns ``{"name": ..., **options}`` and is part of what the ranks agree on before a
+collective.
+"""
+from .base import BucketContext, Compressor, NoneCompressor
+from .bf16 import BF16
+from .fp16 import FP16
+from .onebit import OneBit
+from .randomk import RandomK
+from .topk import TopK
+from .twobit import TwoBit
+
+_REGISTRY = {}
+
+
+def register_compressor(name, cls):
+    """Register ``cls`` (a ``Compressor`` subclass) under ``name``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"compressor name must be a non-empty string, got {name!r}")
+    if not (isinstance(cls, type) and issubclass(cls, Compressor)):
+        raise TypeError(f"compressor {name!r}: {cls!r} is not a gradfuse.compressors.Compressor subclass")
+    _REGISTRY[name] = cls
+    return cls
+
+
+def available():
+    """The registered compressor names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def create(name=None, **options):
+    """Instantiate the compressor registered as ``name`` (None means ``"none"``)."""
+    if name is None:
+        name = "none"
+    if isinstance(name, Compressor):
+        if options:
+            raise TypeError("options cannot be given together with a compressor instance")
+        return name
+    if isinstance(name, dict):               # a get_config() dict
+        options = {**{k: v for k, v in name.items() if k != "name"}, **options}
+        name = name.get("name")
+    cls = _REGISTRY.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown compressor {name!r}; valid names: {', '.join(available())}")
+    return cls(**options)
+
+
+for _cls in (NoneCompressor, FP16, BF16, OneBit, TwoBit, TopK, RandomK):
+    register_compressor(_cls.name, _cls)
+
