@@ -8,6 +8,10 @@ accuracy is printed per epoch, so compressors can be compared side by side.
     mpiexec -n 2 python examples/numpy_digits_compression.py --compress all   # table of all
     mpiexec -n 2 python examples/numpy_digits_compression.py --compress all --device gpu
 
+For compressors compared at the settings people train with (Gluon models, momentum 0.9,
+5 paired seeds, confidence intervals, plots), use the experiment runner instead:
+``gradfuse-experiments`` (docs/experiments.md).
+
 ``--device gpu`` keeps the model, the data and the gradients on the GPU as cupy arrays
 (rank r uses GPU ``local_rank % device count``); the same Pipeline reduces them with the
 CUDA kernels and NCCL (or MPI through host memory where NCCL cannot run, e.g. two ranks
