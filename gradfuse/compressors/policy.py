@@ -19,6 +19,7 @@ on before any data moves, so every rank makes the same plan.
 Integer names (list positions) match a pattern as their decimal string.
 """
 from fnmatch import fnmatchcase
+from glob import escape
 
 import numpy as np
 
@@ -30,6 +31,29 @@ def _is_config(spec):
     """A ``get_config()`` dict ({"name": ..., options}) rather than a policy of patterns."""
     return isinstance(spec, dict) and isinstance(spec.get("name"), str) and not any(
         isinstance(v, (Compressor, dict)) or v is None for v in spec.values())
+
+
+def is_policy(compress):
+    """Whether ``compress`` is a layer policy (a dict of patterns), not one compressor."""
+    return isinstance(compress, dict) and not _is_config(compress)
+
+
+def rename(compress, names):
+    """A layer policy written against other names, as one against the names the pipeline
+    sees: ``names`` maps each tensor name to the name the patterns are matched against
+    (a framework's parameter name, e.g. Gluon's ``conv0_bias`` for the tensor ``"3"``).
+    The result has one exact rule per tensor some pattern matches; a single compressor
+    is returned as it is. The policy is validated first, so errors name its patterns."""
+    if not is_policy(compress):
+        return compress
+    LayerPolicy.create(compress)
+    out = {}
+    for tensor, match in names.items():
+        for pattern, spec in compress.items():
+            if fnmatchcase(str(match), pattern):
+                out[escape(str(tensor))] = spec
+                break
+    return out
 
 
 class LayerPolicy:
@@ -66,7 +90,7 @@ class LayerPolicy:
     @classmethod
     def create(cls, compress, min_elements=0, **options):
         """A policy from ``Pipeline``'s ``compress`` argument (see the module docstring)."""
-        if isinstance(compress, dict) and not _is_config(compress):
+        if is_policy(compress):
             if options:
                 raise TypeError(f"compressor options ({', '.join(sorted(options))}) cannot be given beside a "
                                 f"layer policy; give each pattern a config dict, e.g. "

@@ -4,6 +4,7 @@ import mxnet as mx
 
 from .. import collectives as _coll
 from ..compressors.momentum import pipeline_momentum
+from ..compressors.policy import is_policy, rename
 from ..pipeline import Pipeline
 from .arrays import _view
 from .basics import _comm_of, _ranks_of, _span, global_process_set, init, is_initialized, rank, size
@@ -149,7 +150,10 @@ class KVStore(mx.kvstore.KVStoreBase):
         self._reduce(entries)
 
     def _check_trainer(self, trainer):
-        """Refuse a Trainer whose optimizer still has momentum when this store applies it."""
+        """Refuse a Trainer whose optimizer still has momentum when this store applies it;
+        a layer policy (against parameter names) is matched to the Trainer's keys here."""
+        if self._pipeline is None and is_policy(self._compress):
+            self._compress = rename(self._compress, {f"kv.{i}": p.name for i, p in enumerate(trainer._params)})
         vel = pipeline_momentum(self.pipeline.policy if hasattr(self.pipeline, "policy")
                                 else self.pipeline.compressor)
         opt = getattr(trainer, "_optimizer", None)

@@ -12,6 +12,7 @@ import mxnet as mx
 import numpy as np
 
 from .. import collectives as _coll
+from ..compressors.policy import rename
 from ..pipeline import Pipeline
 from .arrays import _view
 from .basics import _comm_of, _span, global_process_set, rank
@@ -275,7 +276,10 @@ class DistributedTrainer(mx.gluon.Trainer):
         num_groups: split the gradients into this many allreduce calls (0: one).
         process_set: the ranks that average together.
         compress: a gradfuse compressor name or instance (``'1bit'``, ``'topk'``, ...,
-            whatever ``gradfuse.compressors.available()`` lists), with its error feedback.
+            whatever ``gradfuse.compressors.available()`` lists), with its error feedback;
+            or a layer policy against the parameter names, first match wins, ``None``
+            uncompressed: ``{"*_bias": None, "*batchnorm*": None, "*": "1bit"}``.
+        min_elements: parameters with fewer elements go uncompressed (default 0: off).
         fusion_threshold: gradfuse's bucket size in bytes (default: the pipeline's).
         overlap: reduce bucket by bucket in reverse parameter order, each bucket as
             soon as backward has written its gradients, while the rest are computed.
@@ -317,6 +321,9 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._reducer = None
         self._correction = None
         if process_set.included() is not False:
+            # a layer policy names parameters; the pipeline sees prefix + index
+            compress = rename(compress, {self._prefix + str(i): p.name for i, p in enumerate(self._params)
+                                         if p.grad_req != "null"})
             compress, compressor_options, self._correction = _momentum.setup(
                 self._optimizer, compress, dict(compressor_options), momentum_correction, "DistributedTrainer")
             self._reducer = _Reducer(process_set, compress, compressor_options, fusion_threshold)
