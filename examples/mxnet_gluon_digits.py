@@ -26,8 +26,9 @@ def parse(argv=None):
     p.add_argument("--epochs", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--lr", type=float, default=0.1)
-    p.add_argument("--momentum", type=float, default=0.5,
-                   help="0.9 destabilises the lossy compressors with error feedback here")
+    p.add_argument("--momentum", type=float, default=0.9,
+                   help="SGD momentum (the lossy compressors take it through DGC's momentum "
+                        "correction, on by default: docs/mxnet.md)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overlap", action="store_true",
                    help="reduce bucket by bucket as backward writes them (see docs/mxnet.md)")
