@@ -21,7 +21,7 @@ from mxnet import autograd, gluon  # noqa: E402
 
 import gradfuse.mxnet as hvd  # noqa: E402
 
-IN, HID, OUT, B = 8, 16, 3, 6
+from mxnet_nets import B, HID, IN, OUT, flat, mlp  # noqa: E402,F401
 LOSS = gluon.loss.SoftmaxCrossEntropyLoss()
 
 
@@ -29,18 +29,6 @@ LOSS = gluon.loss.SoftmaxCrossEntropyLoss()
 def _init():
     hvd.init()
     yield
-
-
-def mlp(seed=0):
-    net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Dense(HID, activation="tanh", in_units=IN), gluon.nn.Dense(OUT, in_units=HID))
-    mx.random.seed(seed)
-    net.initialize(mx.init.Xavier())
-    return net
-
-
-def flat(net):
-    return np.concatenate([p.data().asnumpy().ravel() for _, p in sorted(net.collect_params().items())])
 
 
 def train(net, trainer, steps, start=0):

@@ -104,3 +104,12 @@ def test_unmatched_tensors_and_other_dtypes_go_uncompressed(comm):
 def test_integer_positions_match_as_strings():
     pol = LayerPolicy.create({"1": None, "*": "2bit"})
     assert [pol.group(i, 10) for i in range(3)] == [1, 0, 1]
+
+
+def test_rules_with_the_same_compressor_share_its_buckets(comm):
+    pipe = gradfuse.Pipeline(compress={"a": "1bit", "b": {"name": "1bit"}, "c": "topk", "*": None}, comm=comm)
+    assert [c.name for c in pipe.policy.compressors] == ["none", "1bit", "topk"]
+    g = {k: np.linspace(-1, 1, 50).astype(np.float32) for k in "abcd"}
+    pipe.allreduce(g)
+    buckets = next(iter(pipe._plans.values())).plan.buckets
+    assert sorted(b.group for b in buckets) == [0, 1, 2]      # a and b in one 1-bit bucket

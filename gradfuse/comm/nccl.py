@@ -47,17 +47,6 @@ def _const(nccl, name, table, key):
     return getattr(nccl, name, table[key])
 
 
-def _nccl_module():
-    from cupy.cuda import nccl
-    if not getattr(nccl, "available", False):
-        raise ImportError("cupy.cuda.nccl is not available (no NCCL library)")
-    return nccl
-
-
-def _const(nccl, name, table, key):
-    return getattr(nccl, name, table[key])
-
-
 def _close_at_exit(ref):
     comm = ref()
     if comm is not None:

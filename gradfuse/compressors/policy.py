@@ -72,12 +72,16 @@ class LayerPolicy:
             if not single.lossless:
                 self.compressors.append(single)
         else:
+            configs = {}          # rules with the same compressor config share it (and its buckets)
             for pattern, comp in rules:
                 if comp.lossless:
                     self.rules.append((pattern, 0))
-                else:
+                    continue
+                key = repr(sorted(comp.get_config().items()))
+                if key not in configs:
                     self.compressors.append(comp)
-                    self.rules.append((pattern, len(self.compressors) - 1))
+                    configs[key] = len(self.compressors) - 1
+                self.rules.append((pattern, configs[key]))
         if (isinstance(min_elements, bool) or not isinstance(min_elements, (int, np.integer))
                 or min_elements < 0):
             raise ValueError(f"min_elements must be a non-negative int, got {min_elements!r}")
