@@ -47,7 +47,10 @@ def _band(ax, x, vals, label, color):
     mean = np.nanmean(vals, axis=0)
     std = np.nanstd(vals, axis=0, ddof=1) if vals.shape[0] > 1 else np.zeros_like(mean)
     ax.plot(x, mean, label=f"{label} (n={vals.shape[0]})", color=color)
-    ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.2, linewidth=0)
+    # accuracy is a fraction: the band is clipped to [0, 1] (the std of a bimodal set of
+    # seeds, one diverged and four trained, would otherwise reach past 1)
+    ax.fill_between(x, np.clip(mean - std, 0, 1), np.clip(mean + std, 0, 1), color=color, alpha=0.2,
+                    linewidth=0)
 
 
 def _title(rows):
