@@ -35,6 +35,17 @@ ext = Extension(
     extra_compile_args=cflags,
 )
 
+# gradfuse.mxnet's engine hand-off (C++: MXNet's engine takes a dmlc::Error on failure).
+# It calls MXNet only through function pointers handed over at import, so it builds and
+# links without MXNet.
+engine_ext = Extension(
+    "gradfuse.mxnet._engine",
+    ["gradfuse/mxnet/_engine.pyx"],
+    include_dirs=["gradfuse/mxnet"],
+    language="c++",
+    extra_compile_args=[f for f in cflags if f != "-ffp-contract=off"] + ["-std=c++14"],
+)
+
 # The generated C depends on the directives: regenerate it whenever the build kind
 # changes (a normal build after a debug build must not keep the bounds checks).
 _stamp = os.path.join("gradfuse", ".build_kind")
@@ -44,7 +55,7 @@ try:
         _changed = f.read().strip() != _kind
 except OSError:
     _changed = True
-setup(ext_modules=cythonize([ext], compiler_directives=directives,
+setup(ext_modules=cythonize([ext, engine_ext], compiler_directives=directives,
                             force=debug or _changed, annotate=False))
 try:
     with open(_stamp, "w") as f:

@@ -25,8 +25,14 @@ Dimension rules (as Horovod defines them):
   ``n // size`` rows, plus one for the first ``n % size`` ranks.
 
 Reductions take float16, float32, float64, int32 and int64; data-movement collectives
-(broadcast, allgather, alltoall) take any fixed-size numpy dtype. ``average`` on
-integers truncates toward zero after the sum (Horovod's scaling rule).
+(broadcast, allgather, alltoall) take any fixed-size numpy dtype.
+
+Scaling is Horovod 0.28.1's on the CPU, bit for bit (``_scale``): the prescale factor
+multiplies each rank's input, the reduction runs (float16 summed pairwise in float32,
+rounded once per add), then one postscale multiply by ``postscale_factor / size`` for
+``average`` (Horovod averages through the postscale factor) or by ``postscale_factor``.
+float16 is scaled in float32 and rounded once; integers are multiplied in double and
+truncated toward zero (so ``average`` on integers truncates after the sum).
 """
 import itertools
 import pickle
@@ -35,6 +41,7 @@ import numpy as np
 
 from . import dtypes as _dt
 from .runtime import context as runtime
+from .runtime import timeline as _tl
 from .runtime.control import Request
 
 REDUCE_OPS = ("sum", "average", "min", "max", "prod")
@@ -103,10 +110,13 @@ def _runner(ctx, op, build, job_of):
             ctx.coordinator.negotiate(bad)
         return refuse
     job = job_of(state)
+    names = request.names
 
     def run():
-        ctx.coordinator.negotiate(request)
-        return job()
+        with _tl.stage("op", op, names):       # the timeline: negotiation, then the job
+            with _tl.stage("negotiate", op, names):
+                ctx.coordinator.negotiate(request)
+            return job()
     return run
 
 
@@ -127,12 +137,21 @@ def refuse_async(op, error, comm=None):
 
 
 def _scale(a, factor):
-    if factor != 1.0:
-        if a.dtype.kind == "f":
-            np.multiply(a, a.dtype.type(factor) if a.dtype != np.float16 else np.float32(factor),
-                        out=a, casting="unsafe")
-        else:
-            np.copyto(a, np.trunc(a * float(factor)), casting="unsafe")
+    """Multiply ``a`` in place by ``factor`` as Horovod 0.28.1 does on the CPU
+    (``ScaleBufferCPUImpl``): float16 and float32 by the factor rounded to float32, in
+    float32 arithmetic, rounded once to the dtype; float64 in double; integers by the
+    double factor, truncated toward zero. ``horovod_scale`` in tests/ref_horovod.py states
+    the same rule in numpy."""
+    if factor == 1.0:
+        return
+    if a.dtype == np.float16:
+        # dtype=float32: the loop runs in float32 (numpy 1.x would otherwise round the
+        # factor to float16 and multiply in float16, i.e. round twice)
+        np.multiply(a, np.float32(factor), out=a, dtype=np.float32, casting="unsafe")
+    elif a.dtype.kind == "f":
+        np.multiply(a, a.dtype.type(factor), out=a)
+    else:
+        np.copyto(a, np.trunc(a * float(factor)), casting="unsafe")
 
 
 def _check_factor(op, name, value):
@@ -148,17 +167,14 @@ def _reduce_request(what, names, arrays, op, prescale_factor, postscale_factor, 
     post = _check_factor(what, "postscale_factor", postscale_factor)
     req = Request(what, names, [a.shape for a in arrays], [str(a.dtype) for a in arrays],
                   {"op": op, "prescale_factor": pre, "postscale_factor": post, "size": ctx.comm.size})
-    return req, (pre, post)
+    return req, (pre, post, names)
 
 
-def _divide_by_size(a, size):
-    """Average after the sum, in place: floats in their own arithmetic (float16 through
-    float32), integers truncated toward zero as Horovod does."""
-    if a.dtype.kind == "f":
-        np.divide(a, np.float32(size) if a.dtype == np.float16 else a.dtype.type(size),
-                  out=a, casting="unsafe")
-    else:
-        np.copyto(a, np.trunc(a / float(size)), casting="unsafe")
+def _post_factor(op, post, size):
+    """The one factor applied after the reduction: Horovod averages through the postscale
+    factor (``postscale_factor / size``, in double), so the average and the postscale
+    round once together."""
+    return post / size if op == "average" else post
 
 
 def allreduce_async(arrays, op="average", names=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -186,18 +202,21 @@ def allreduce_async(arrays, op="average", names=None, prescale_factor=1.0, posts
         return _reduce_request("allreduce", nm, arrays, op, prescale_factor, postscale_factor, ctx)
 
     def job_of(state):
-        pre, post = state
+        pre, post, nm = state
 
         def job():
             c = ctx.comm
             outs = arrays if inplace else [a.copy() for a in arrays]
-            for a in outs:
+            after = _post_factor(op, post, c.size)
+            rec = _tl.recorder()
+            for a, name in zip(outs, nm):
                 _scale(a, pre)
                 if a.size:
+                    t0 = _tl.clock() if rec else 0.0
                     c.allreduce_op(a, a, "sum" if op == "average" else op)
-                if op == "average":
-                    _divide_by_size(a, c.size)
-                _scale(a, post)
+                    if rec:
+                        rec("reduce", "allreduce", (name,), t0, _tl.clock(), bytes=a.nbytes)
+                _scale(a, after)
             return outs
         return job
 
@@ -210,7 +229,7 @@ def allreduce(arrays, **kw):
 
 
 # --- broadcast ---------------------------------------------------------------------
-def broadcast_async(arrays, root, names=None, comm=None):
+def broadcast_async(arrays, root, names=None, comm=None, runner_only=False):
     """Broadcast each array in place from ``root`` (a rank of ``comm``)."""
     ctx = _context(comm)
     arrays = list(arrays)
@@ -225,17 +244,23 @@ def broadcast_async(arrays, root, names=None, comm=None):
         _check_arrays("broadcast", arrays, nm, reduce=False)
         req = Request("broadcast", nm, [a.shape for a in arrays], [str(a.dtype) for a in arrays],
                       {"root": int(root), "size": ctx.comm.size})
-        return req, int(root)
+        return req, (int(root), nm)
 
-    def job_of(r):
+    def job_of(state):
+        r, nm = state
+
         def job():
-            for a in arrays:
+            rec = _tl.recorder()
+            for a, name in zip(arrays, nm):
                 if a.size:
+                    t0 = _tl.clock() if rec else 0.0
                     ctx.comm.bcast(a, r)
+                    if rec:
+                        rec("reduce", "broadcast", (name,), t0, _tl.clock(), bytes=a.nbytes)
             return arrays
         return job
 
-    return _submit(ctx, "broadcast", build, job_of)
+    return _submit(ctx, "broadcast", build, job_of, runner_only)
 
 
 def broadcast(arrays, root, **kw):
@@ -249,7 +274,7 @@ def _need_dim(op, arrays, names):
             raise ValueError(f"{op}: tensor {name!r} is a scalar; {op} needs at least one dimension")
 
 
-def allgather_async(arrays, names=None, comm=None):
+def allgather_async(arrays, names=None, comm=None, runner_only=False):
     """Concatenate each array along its first dimension across ranks (rank order).
 
     The first dimension may differ between ranks; the other dimensions and the dtype
@@ -264,11 +289,12 @@ def allgather_async(arrays, names=None, comm=None):
         _need_dim("allgather", arrays, nm)
         req = Request("allgather", nm, [("*",) + a.shape[1:] for a in arrays],
                       [str(a.dtype) for a in arrays], {"size": ctx.comm.size})
-        return req, None
+        return req, nm
 
-    def job_of(_):
+    def job_of(nm):
         def job():
             c = ctx.comm
+            rec = _tl.recorder()
             mine = np.array([a.shape[0] for a in arrays], dtype=np.int64)
             rows = np.empty((c.size, len(arrays)), dtype=np.int64)
             if len(arrays):
@@ -279,12 +305,15 @@ def allgather_async(arrays, names=None, comm=None):
                 total = int(rows[:, i].sum())
                 out = np.empty((total,) + a.shape[1:], dtype=a.dtype)
                 if out.size:
+                    t0 = _tl.clock() if rec else 0.0
                     c.allgatherv(a.reshape(-1), out.reshape(-1), (rows[:, i] * per_row).tolist())
+                    if rec:
+                        rec("reduce", "allgather", (nm[i],), t0, _tl.clock(), bytes=out.nbytes)
                 outs.append(out)
             return outs
         return job
 
-    return _submit(ctx, "allgather", build, job_of)
+    return _submit(ctx, "allgather", build, job_of, runner_only)
 
 
 def allgather(arrays, **kw):
@@ -292,7 +321,7 @@ def allgather(arrays, **kw):
 
 
 # --- alltoall ----------------------------------------------------------------------
-def alltoall_async(array, splits=None, name=None, comm=None):
+def alltoall_async(array, splits=None, name=None, comm=None, runner_only=False):
     """Send ``splits[r]`` rows of ``array`` to rank r; the result is (rows received, splits received).
 
     Without ``splits`` the first dimension is divided equally (it must divide by the size).
@@ -325,21 +354,24 @@ def alltoall_async(array, splits=None, name=None, comm=None):
                                  f"first dimension is {n}")
         req = Request("alltoall", nm, [("*",) + array.shape[1:]], [str(array.dtype)],
                       {"size": size, "splits_given": splits is not None})
-        return req, sp
+        return req, (sp, nm)
 
-    def job_of(sp):
+    def job_of(state):
+        sp, nm = state
+
         def job():
             c = ctx.comm
-            recv = np.empty(c.size, dtype=np.int64)
-            c.alltoall(sp, recv)
-            per_row = int(np.prod(array.shape[1:], dtype=np.int64))
-            out = np.empty((int(recv.sum()),) + array.shape[1:], dtype=array.dtype)
-            c.alltoallv(array.reshape(-1), (sp * per_row).tolist(), out.reshape(-1),
-                        (recv * per_row).tolist())
+            with _tl.stage("reduce", "alltoall", nm):
+                recv = np.empty(c.size, dtype=np.int64)
+                c.alltoall(sp, recv)
+                per_row = int(np.prod(array.shape[1:], dtype=np.int64))
+                out = np.empty((int(recv.sum()),) + array.shape[1:], dtype=array.dtype)
+                c.alltoallv(array.reshape(-1), (sp * per_row).tolist(), out.reshape(-1),
+                            (recv * per_row).tolist())
             return out, recv
         return job
 
-    return _submit(ctx, "alltoall", build, job_of)
+    return _submit(ctx, "alltoall", build, job_of, runner_only)
 
 
 def alltoall(array, splits=None, **kw):
@@ -354,7 +386,7 @@ def scatter_rows(n, size):
 
 
 def reducescatter_async(arrays, op="average", names=None, prescale_factor=1.0,
-                        postscale_factor=1.0, comm=None):
+                        postscale_factor=1.0, comm=None, runner_only=False):
     """Reduce each array across ranks and keep this rank's block of rows of the result."""
     ctx = _context(comm)
     arrays = list(arrays)
@@ -368,58 +400,92 @@ def reducescatter_async(arrays, op="average", names=None, prescale_factor=1.0,
         return _reduce_request("reducescatter", nm, arrays, op, prescale_factor, postscale_factor, ctx)
 
     def job_of(state):
-        pre, post = state
+        pre, post, nm = state
 
         def job():
             c = ctx.comm
             outs = []
-            for a in arrays:
+            rec = _tl.recorder()
+            for a, name in zip(arrays, nm):
                 rows = scatter_rows(a.shape[0], c.size)
                 per_row = int(np.prod(a.shape[1:], dtype=np.int64))
                 src = a.copy()
                 _scale(src, pre)
                 out = np.empty((rows[c.rank],) + a.shape[1:], dtype=a.dtype)
                 if a.size:
+                    t0 = _tl.clock() if rec else 0.0
                     c.reduce_scatter(src.reshape(-1), out.reshape(-1), [r * per_row for r in rows], "sum")
-                if op == "average":
-                    _divide_by_size(out, c.size)
-                _scale(out, post)
+                    if rec:
+                        rec("reduce", "reducescatter", (name,), t0, _tl.clock(), bytes=a.nbytes)
+                _scale(out, _post_factor(op, post, c.size))
                 outs.append(out)
             return outs
         return job
 
-    return _submit(ctx, "reducescatter", build, job_of)
+    return _submit(ctx, "reducescatter", build, job_of, runner_only)
 
 
 def reducescatter(arrays, **kw):
     return reducescatter_async(arrays, **kw).wait()
 
 
-# --- objects (pickle: trusted peers only) ------------------------------------------
+# --- objects (cloudpickle: trusted peers only) -------------------------------------
+def _serializer():
+    """cloudpickle, as Horovod's object collectives use (the mxnet extra installs it: it
+    also sends lambdas and classes defined in ``__main__``); the standard pickle where it
+    is not installed. Either way the bytes are read back with ``pickle.loads``."""
+    try:
+        import cloudpickle
+        return cloudpickle
+    except ImportError:
+        return pickle
+
+
+def _serialize(op, obj, name):
+    """(bytes as uint8, None), or (None, InvalidInput) when ``obj`` cannot be serialized:
+    the error is then reported through the collective, so no other rank waits for it."""
+    ser = _serializer()
+    try:
+        data = ser.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:       # PicklingError, TypeError ("cannot pickle '_thread.lock'"), ...
+        hint = "" if ser is not pickle else (" (cloudpickle, which also sends lambdas and local classes, is not "
+                                             "installed: pip install cloudpickle, or gradfuse[mxnet])")
+        err = TypeError(f"{op} {name!r}: cannot serialize the {type(obj).__name__} object: {exc}{hint}")
+        err.__cause__ = exc
+        return None, InvalidInput(err)
+    return np.frombuffer(data, dtype=np.uint8).copy(), None
+
+
 def broadcast_object(obj, root=0, name=None, comm=None):
-    """Pickle ``obj`` on ``root`` and return the unpickled copy on every rank.
+    """Serialize ``obj`` on ``root`` (cloudpickle) and return the copy on every rank.
 
     Unpickling runs code chosen by the sender: use it only between the trusted
-    processes of one job.
+    processes of one job. An object that cannot be serialized raises ``TypeError`` on
+    the root and ``RemoteInputError`` on the others.
     """
     ctx = _context(comm)
     name = name or "broadcast_object"     # not the type: it may differ off the root (None)
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if ctx.comm.rank == root else b""
-    n = np.array([len(payload)], dtype=np.int64)
-    broadcast([n], root, names=[name + ".sz"], comm=comm)
-    buf = np.frombuffer(payload, dtype=np.uint8).copy() if ctx.comm.rank == root else \
-        np.empty(int(n[0]), dtype=np.uint8)
+    payload, bad = (None, None)
+    if ctx.comm.rank == root:
+        payload, bad = _serialize("broadcast_object", obj, name)
+    n = np.array([0 if payload is None else payload.size], dtype=np.int64)
+    broadcast([bad or n], root, names=[name + ".sz"], comm=comm)
+    buf = payload if ctx.comm.rank == root else np.empty(int(n[0]), dtype=np.uint8)
     broadcast([buf], root, names=[name + ".t"], comm=comm)
     return obj if ctx.comm.rank == root else pickle.loads(buf.tobytes())
 
 
 def allgather_object(obj, name=None, comm=None):
-    """Pickle ``obj`` on every rank; return the list of every rank's object, in rank order.
+    """Serialize ``obj`` on every rank (cloudpickle); return every rank's object, in rank order.
 
-    Unpickling runs code chosen by the senders: trusted peers of one job only.
+    Unpickling runs code chosen by the senders: trusted peers of one job only. An
+    object that cannot be serialized raises ``TypeError`` there and ``RemoteInputError``
+    on the others.
     """
     name = name or "allgather_object"
-    payload = np.frombuffer(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL), dtype=np.uint8).copy()
+    payload, bad = _serialize("allgather_object", obj, name)
+    if bad is not None:
+        allgather([bad, bad], names=[name + ".sz", name + ".t"], comm=comm)
     sizes, data = allgather([np.array([payload.size], dtype=np.int64), payload],
                             names=[name + ".sz", name + ".t"], comm=comm)
     offs = np.concatenate([[0], np.cumsum(sizes)])

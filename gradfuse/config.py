@@ -1,7 +1,14 @@
-"""Settings read from ``GRADFUSE_*`` environment variables.
+"""Settings read from ``GRADFUSE_*`` environment variables (and three of Horovod's).
 
 Only an unset variable means the default. Any other value must parse, or the error
 names the variable and what it holds; nothing is silently replaced by a default.
+
+A script written for Horovod keeps its settings: ``HOROVOD_FUSION_THRESHOLD``,
+``HOROVOD_STALL_CHECK_TIME_SECONDS`` and ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS`` are read
+when the ``GRADFUSE_*`` variable they stand for (``HOROVOD_NAMES``) is unset, by the same
+strict rules, and a bad value is refused naming the Horovod variable. With neither set,
+gradfuse keeps its own defaults (a 1 MiB fusion threshold, not Horovod's 128 MiB, which
+is about 3x slower here; a 600 s stall timeout, not Horovod's "never").
 """
 import math
 import operator
@@ -16,8 +23,37 @@ DEFAULT_STALL_WARNING_S = 60.0
 DEFAULT_STALL_TIMEOUT_S = 600.0      # as PyTorch's NCCL watchdog; 0 turns it off
 
 
+# the GRADFUSE_* variable -> the Horovod 0.28.1 variable read when it is unset
+HOROVOD_NAMES = {
+    "GRADFUSE_FUSION_THRESHOLD": "HOROVOD_FUSION_THRESHOLD",
+    "GRADFUSE_STALL_WARNING_S": "HOROVOD_STALL_CHECK_TIME_SECONDS",
+    "GRADFUSE_STALL_TIMEOUT_S": "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+}
+
+
+# Horovod 0.28.1 tuning variables gradfuse does not read: gradfuse.mxnet's init() warns
+# when one is set, so a script moved from Horovod does not lose a setting silently
+HOROVOD_UNREAD = ("HOROVOD_TIMELINE", "HOROVOD_TIMELINE_MARK_CYCLES", "HOROVOD_CYCLE_TIME",
+                  "HOROVOD_CACHE_CAPACITY", "HOROVOD_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLGATHER",
+                  "HOROVOD_AUTOTUNE", "HOROVOD_STALL_CHECK_DISABLE")
+
+
+def horovod_unread():
+    """The variables of ``HOROVOD_UNREAD`` that are set."""
+    return [v for v in HOROVOD_UNREAD if _raw(v) is not None]
+
+
 def _raw(var):
     return os.environ.get(var)
+
+
+def source(var):
+    """The variable a setting comes from: ``var`` when it is set, else its Horovod
+    equivalent (``HOROVOD_NAMES``) when that is set, else ``var`` (unset: the default)."""
+    other = HOROVOD_NAMES.get(var)
+    if _raw(var) is None and other is not None and _raw(other) is not None:
+        return other
+    return var
 
 
 def env_int(var, default, minimum=0, maximum=1 << 62):
@@ -64,9 +100,11 @@ def env_bool(var, default):
 
 
 def fusion_threshold(value=None):
-    """The fusion threshold in bytes: the argument, else GRADFUSE_FUSION_THRESHOLD, else the default."""
+    """The fusion threshold in bytes: the argument, else GRADFUSE_FUSION_THRESHOLD, else
+    HOROVOD_FUSION_THRESHOLD, else the default."""
     if value is None:
-        return env_int("GRADFUSE_FUSION_THRESHOLD", DEFAULT_FUSION_THRESHOLD, minimum=0, maximum=1 << 40)
+        return env_int(source("GRADFUSE_FUSION_THRESHOLD"), DEFAULT_FUSION_THRESHOLD,
+                       minimum=0, maximum=1 << 40)
     try:
         as_int = operator.index(value)
     except TypeError:
@@ -77,11 +115,15 @@ def fusion_threshold(value=None):
 
 
 def stall_warning_s():
-    return env_seconds("GRADFUSE_STALL_WARNING_S", DEFAULT_STALL_WARNING_S)
+    """Seconds before a waiting collective warns: GRADFUSE_STALL_WARNING_S, else
+    HOROVOD_STALL_CHECK_TIME_SECONDS, else 60."""
+    return env_seconds(source("GRADFUSE_STALL_WARNING_S"), DEFAULT_STALL_WARNING_S)
 
 
 def stall_timeout_s():
-    return env_seconds("GRADFUSE_STALL_TIMEOUT_S", DEFAULT_STALL_TIMEOUT_S)
+    """Seconds before a stalled collective aborts the job (0 = never):
+    GRADFUSE_STALL_TIMEOUT_S, else HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, else 600."""
+    return env_seconds(source("GRADFUSE_STALL_TIMEOUT_S"), DEFAULT_STALL_TIMEOUT_S)
 
 
 def exit_timeout_s():

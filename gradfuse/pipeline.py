@@ -42,17 +42,26 @@ from .compressors.state import CompressionState, load_npz, save_npz
 from .fusion import tables
 from .fusion.backend import HOST, CudaBackend
 from .fusion.plan import FusionPlan, parse_signature
+from .fusion.pool import OutputPool
 from .runtime import context as runtime
 from .runtime.control import Request
 from .step import COMPRESSIBLE, NONFINITE, Stats, Step, StepConfig
 
+# The plan cache holds what the model's calls cycle through, not a fixed number: a plan is
+# dropped only when it has not been used for twice as many calls as the cache holds plans
+# (it is no longer part of the cycle), and only once more than _PLAN_CACHE are held. A
+# DistributedOptimizer that makes one call per aggregated group of parameters thus keeps
+# one plan per group, however many groups the model has. _PLAN_CACHE_MAX bounds callers
+# whose shapes change at every call.
 _PLAN_CACHE = 8
+_PLAN_CACHE_MAX = 4096
 
 
 class CachedPlan:
     """A cached plan and everything derived from the same signature."""
 
-    __slots__ = ("plan", "request", "names", "shapes", "codes", "verified", "bk", "state_key", "wire")
+    __slots__ = ("plan", "request", "names", "shapes", "codes", "verified", "bk", "state_key", "wire",
+                 "outputs", "used")
 
     def __init__(self, plan, request, names, shapes, codes, bk, state_key):
         self.plan, self.request, self.names = plan, request, names
@@ -62,6 +71,8 @@ class CachedPlan:
         # residuals are keyed without the device, so they follow a bucket between host and GPU
         self.state_key = state_key
         self.wire = {}           # bucket index -> the exchange job's buffers
+        self.outputs = OutputPool()  # out-of-place results, reused when the caller let go of them
+        self.used = 0            # the pipeline's call count when this plan was last used
 
 
 class Pipeline:
@@ -113,6 +124,7 @@ class Pipeline:
         self._ctx = runtime.context(comm)
         self.comm = self._ctx.comm
         self._plans = OrderedDict()
+        self._calls = 0              # plan lookups so far (the clock of the plan cache)
         self.stats = Stats()
         self.state = CompressionState()
         self._backends = {}          # GPU id -> CudaBackend
@@ -212,6 +224,11 @@ class Pipeline:
             opts["nonfinite"] = self.nonfinite
         return opts
 
+    def _request_options(self, device):
+        """The options every rank's request must agree on (a binding may phrase them as its
+        other collectives do, so that a mismatch between the two names the option)."""
+        return dict(self._options(), device=device)
+
     def _prepare(self, grads, out, names):
         """The caller's half of a step: inputs, then the plan, then outputs; a ``Step``."""
         inputs = tables.read_inputs(grads, names, writable=out is grads)
@@ -234,8 +251,10 @@ class Pipeline:
         """The cached plan of these inputs' signature and names (built on a miss)."""
         bk = self._backend(inputs.device)
         key = (inputs.sig, tuple(inputs.names), bk.device, bk.device_id)
+        self._calls += 1
         entry = self._plans.get(key)
         if entry is not None:
+            entry.used = self._calls
             self._plans.move_to_end(key)
             return entry
         names = inputs.names
@@ -253,11 +272,15 @@ class Pipeline:
         plan = FusionPlan(codes, sizes, self.fusion_threshold, self.direct_threshold,
                           alloc=bk.empty_bytes, groups=groups)
         dtypes = [_dt.name(c) for c in codes]
-        request = Request("allreduce", names, shapes, dtypes, dict(self._options(), device=bk.device))
+        request = Request("allreduce", names, shapes, dtypes, self._request_options(bk.device))
         state_key = Request("allreduce", names, shapes, dtypes, self._options()).digest.hex()
         entry = CachedPlan(plan, request, names, shapes, codes, bk, state_key)
+        entry.used = self._calls
         self._plans[key] = entry
         self.stats.plans_built += 1
-        if len(self._plans) > _PLAN_CACHE:
+        while len(self._plans) > _PLAN_CACHE:
+            oldest = next(iter(self._plans.values()))
+            if len(self._plans) <= _PLAN_CACHE_MAX and self._calls - oldest.used <= 2 * len(self._plans):
+                break                            # still in the cycle: keep it
             self._plans.popitem(last=False)      # its fusion and wire buffers go with it
         return entry

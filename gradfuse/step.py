@@ -28,6 +28,8 @@ from .compressors.exchange import BucketTask, job_class, ring_bytes
 from .errors import NonFiniteError
 from .fusion.staging import F16, staging
 from .fusion.tables import as_ndarray
+from .runtime import timeline as _tl
+from .runtime.control import Request
 
 _F32 = _dt.CODE[np.dtype(np.float32)]
 COMPRESSIBLE = (_F32, F16)        # the dtypes compressors take (float16 through float32 staging)
@@ -88,10 +90,24 @@ class Step:
     """
 
     __slots__ = ("cfg", "entry", "src", "dst", "tables", "in_objs", "out_objs", "result", "ready",
-                 "inplace", "staged")
+                 "inplace", "staged", "deferred", "io")
 
     def __init__(self, cfg, entry, inputs, outputs):
-        plan, bk = entry.plan, entry.bk
+        self.cfg, self.entry = cfg, entry
+        self.staged = {}          # bucket index -> float32 Staging of a compressed float16 bucket
+        self.deferred = inputs.deferred
+        self.result, self.ready = outputs.result, outputs.ready
+        if self.deferred is None:
+            self.io = None
+            self.bind(inputs, outputs)
+        else:                     # the pointers arrive on the communication thread
+            self.io = (inputs, outputs)
+            self.deferred.taken = True
+
+    def bind(self, inputs, outputs):
+        """The step's pointer tables and the views of the tensors reduced where they lie."""
+        entry = self.entry
+        plan, bk, d = entry.plan, entry.bk, self.deferred
         src, dst = inputs.ptrs[plan.order], outputs.ptrs[plan.order]
         self.inplace = bool(np.array_equal(src, dst))
         self.src, self.dst, self.tables = bk.pointers(src), bk.pointers(dst), bk.plan_tables(plan)
@@ -101,13 +117,37 @@ class Step:
             for b in plan.buckets:
                 if b.direct:
                     i = int(plan.order[b.lo])
-                    in_objs[i], out_objs[i] = as_ndarray(in_objs[i]), as_ndarray(out_objs[i])
-        self.cfg, self.entry = cfg, entry
+                    if d is not None:
+                        in_objs[i] = d.view(i)
+                        out_objs[i] = in_objs[i] if d.out_ptrs is None else d.view(i, output=True)
+                    else:
+                        in_objs[i], out_objs[i] = as_ndarray(in_objs[i]), as_ndarray(out_objs[i])
         self.in_objs, self.out_objs = in_objs, out_objs
-        self.result, self.ready = outputs.result, outputs.ready
-        self.staged = {}          # bucket index -> float32 Staging of a compressed float16 bucket
 
     def __call__(self):
+        d = self.deferred
+        if d is None:
+            return self.execute()
+        error = None
+        try:
+            try:
+                d.bind()          # waits until the binding has the data pointers
+            except Exception as exc:
+                # announced, so the other ranks raise too instead of waiting in the exchange
+                self.cfg.stats.failed_steps += 1
+                self.cfg.ctx.coordinator.negotiate(Request("allreduce", error=exc), self.cfg.step_tag())
+                raise
+            self.bind(*self.io)
+            self.io = None
+            return self.execute()
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            d.finish(error)
+
+    def execute(self):
+        """Negotiate, then run (the pointer tables are bound)."""
         cfg, bk = self.cfg, self.entry.bk
         try:
             negotiate(self)
@@ -175,37 +215,47 @@ class Step:
 def negotiate(step):
     """Every rank agrees on the request and the step tag, or every rank raises."""
     cfg = step.cfg
-    cfg.ctx.coordinator.negotiate(step.entry.request, cfg.step_tag())
+    with _tl.stage("negotiate", "allreduce", step.entry.names):      # the timeline (issue 15)
+        cfg.ctx.coordinator.negotiate(step.entry.request, cfg.step_tag())
+
+
+def bucket_names(step, b):
+    """The names of bucket ``b``'s tensors (built only while a timeline records)."""
+    return [step.entry.names[int(i)] for i in step.entry.plan.order[b.lo:b.hi]]
 
 
 def pack(step, b):
     """Copy bucket ``b``'s tensors into its fusion buffer (one kernel call)."""
     t = step.tables
-    step.entry.bk.pack(b.buffer, step.src, t.offsets, t.nbytes, b.lo, b.hi)
+    with _tl.stage("pack", "allreduce", lambda: bucket_names(step, b), bucket=b.index, bytes=b.nbytes):
+        step.entry.bk.pack(b.buffer, step.src, t.offsets, t.nbytes, b.lo, b.hi)
 
 
 def reduce(step, comm, b):
     """Sum bucket ``b``'s fusion buffer across ranks, in place."""
-    comm.allreduce_inplace(b.view())
+    with _tl.stage("reduce", "allreduce", lambda: bucket_names(step, b), bucket=b.index, bytes=b.nbytes):
+        comm.allreduce_inplace(b.view())
 
 
 def unpack(step, b, divide, size):
     """Copy the summed buffer back into the outputs, dividing by ``size`` when averaging."""
     t, bk = step.tables, step.entry.bk
-    if divide:
-        outs = () if bk.device == "cpu" else [step.out_objs[int(i)] for i in step.entry.plan.order[b.lo:b.hi]]
-        bk.unpack_div(b.buffer, step.dst, t.offsets, t.nbytes, b.lo, b.hi, b.code, size, outs)
-    else:
-        bk.unpack(b.buffer, step.dst, t.offsets, t.nbytes, b.lo, b.hi)
+    with _tl.stage("unpack", "allreduce", lambda: bucket_names(step, b), bucket=b.index, bytes=b.nbytes):
+        if divide:
+            outs = () if bk.device == "cpu" else [step.out_objs[int(i)] for i in step.entry.plan.order[b.lo:b.hi]]
+            bk.unpack_div(b.buffer, step.dst, t.offsets, t.nbytes, b.lo, b.hi, b.code, size, outs)
+        else:
+            bk.unpack(b.buffer, step.dst, t.offsets, t.nbytes, b.lo, b.hi)
 
 
 def reduce_direct(step, comm, b, divide, size):
     """Sum the one large tensor of a ``direct`` bucket where it lies (no packing)."""
     i = int(step.entry.plan.order[b.lo])
-    if step.src[b.lo] == step.dst[b.lo]:
-        comm.allreduce_inplace(step.out_objs[i])
-    else:
-        comm.allreduce(step.in_objs[i], step.out_objs[i])
+    with _tl.stage("reduce", "allreduce", (step.entry.names[i],), bucket=b.index, bytes=b.nbytes):
+        if step.src[b.lo] == step.dst[b.lo]:
+            comm.allreduce_inplace(step.out_objs[i])
+        else:
+            comm.allreduce(step.in_objs[i], step.out_objs[i])
     if divide:
         step.entry.bk.div_inplace(step.out_objs[i], step.dst[b.lo], step.entry.plan.counts[b.lo], b.code, size)
 

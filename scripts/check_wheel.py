@@ -14,7 +14,7 @@ import os
 import sys
 import zipfile
 
-GENERATED = (".so", ".pyd", ".c", ".html", ".pyc")
+GENERATED = (".so", ".pyd", ".c", ".cpp", ".html", ".pyc")
 SKIP_DIRS = ("__pycache__", "build", ".pytest_cache")
 
 

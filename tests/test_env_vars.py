@@ -62,7 +62,7 @@ def test_hooks_flag(value, monkeypatch):
 
 
 def test_unset_means_default(monkeypatch):
-    for var in ["GRADFUSE_FUSION_THRESHOLD", "GRADFUSE_HOOKS", *SECONDS_VARS]:
+    for var in ["GRADFUSE_FUSION_THRESHOLD", "GRADFUSE_HOOKS", *SECONDS_VARS, *config.HOROVOD_NAMES.values()]:
         monkeypatch.delenv(var, raising=False)
     assert config.fusion_threshold() == config.DEFAULT_FUSION_THRESHOLD
     assert config.stall_warning_s() == config.DEFAULT_STALL_WARNING_S
@@ -72,6 +72,77 @@ def test_unset_means_default(monkeypatch):
     assert config.exit_timeout_s() == 7.0          # follows the stall timeout when unset
     assert watchdog.hooks_enabled() is True
     assert watchdog.hooks_enabled(False) is False   # the argument wins over the variable
+
+
+# Horovod's variables: read by the same rules when the GRADFUSE_* one is unset
+HOROVOD_VARS = {"HOROVOD_FUSION_THRESHOLD": (config.fusion_threshold, BYTES),
+                "HOROVOD_STALL_CHECK_TIME_SECONDS": (config.stall_warning_s, SECONDS),
+                "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": (config.stall_timeout_s, SECONDS)}
+
+
+@pytest.fixture
+def no_gradfuse_vars(monkeypatch):
+    for var in list(config.HOROVOD_NAMES) + list(config.HOROVOD_NAMES.values()):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.mark.parametrize("var,value", [(v, x) for v in sorted(HOROVOD_VARS) for x in sorted(HOROVOD_VARS[v][1])])
+def test_horovod_variables_parse_by_the_same_rules(var, value, monkeypatch, no_gradfuse_vars):
+    fn, table = HOROVOD_VARS[var]
+    assert _outcome(fn, var, value, monkeypatch) == table[value]
+
+
+@pytest.mark.parametrize("gf_var", sorted(config.HOROVOD_NAMES))
+def test_gradfuse_variable_wins_over_horovods(gf_var, monkeypatch, no_gradfuse_vars):
+    hv_var = config.HOROVOD_NAMES[gf_var]
+    fn = {"GRADFUSE_FUSION_THRESHOLD": config.fusion_threshold, **SECONDS_VARS}[gf_var]
+    monkeypatch.setenv(hv_var, "7")
+    assert fn() == 7 and config.source(gf_var) == hv_var          # honoured when GRADFUSE_ is unset
+    monkeypatch.setenv(gf_var, "9")
+    assert fn() == 9 and config.source(gf_var) == gf_var          # ... and not read when it is set
+    monkeypatch.setenv(hv_var, "abc")
+    assert fn() == 9                                               # (not even to refuse it)
+    monkeypatch.delenv(gf_var)
+    with pytest.raises(ValueError, match=f"{hv_var}='abc'"):
+        fn()
+
+
+def test_horovod_defaults_are_not_gradfuses(monkeypatch, no_gradfuse_vars):
+    """Unset everywhere: gradfuse's own defaults (1 MiB, 60 s, 600 s), not Horovod's (128 MiB, 60 s, never)."""
+    assert config.fusion_threshold() == config.DEFAULT_FUSION_THRESHOLD == 1 << 20
+    assert config.stall_timeout_s() == 600.0 and config.exit_timeout_s() == 600.0
+    monkeypatch.setenv("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "0")     # Horovod's "never"
+    assert config.stall_timeout_s() == 0.0 and config.exit_timeout_s() == 0.0
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", str(64 << 20))
+    assert gradfuse.Pipeline(comm=SingleProcessCommunicator()).fusion_threshold == 64 << 20
+
+
+def test_bad_horovod_value_fails_init_naming_it(monkeypatch, no_gradfuse_vars):
+    monkeypatch.setenv("HOROVOD_STALL_CHECK_TIME_SECONDS", "-5")
+    with pytest.raises(ValueError, match="HOROVOD_STALL_CHECK_TIME_SECONDS='-5' is out of range"):
+        gradfuse.init(SingleProcessCommunicator())
+    monkeypatch.delenv("HOROVOD_STALL_CHECK_TIME_SECONDS")
+    monkeypatch.setenv("HOROVOD_FUSION_THRESHOLD", "64MB")
+    with pytest.raises(ValueError, match="HOROVOD_FUSION_THRESHOLD='64MB' is not a whole number"):
+        gradfuse.Pipeline(comm=SingleProcessCommunicator())
+
+
+def test_horovod_settings_gradfuse_does_not_read_are_named_at_init(monkeypatch):
+    """HOROVOD_TIMELINE and the other tuning variables of Horovod: gradfuse.mxnet's init()
+    warns (rank 0), naming the ones set, instead of dropping them silently."""
+    pytest.importorskip("mxnet")
+    import warnings
+    import gradfuse.mxnet as hvd
+    for var in config.HOROVOD_UNREAD:
+        monkeypatch.delenv(var, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hvd.init()                                   # nothing set: no warning
+    monkeypatch.setenv("HOROVOD_TIMELINE", "/tmp/tl.json")
+    monkeypatch.setenv("HOROVOD_CYCLE_TIME", "5")
+    assert config.horovod_unread() == ["HOROVOD_TIMELINE", "HOROVOD_CYCLE_TIME"]
+    with pytest.warns(UserWarning, match="does not read HOROVOD_TIMELINE, HOROVOD_CYCLE_TIME"):
+        hvd.init()
 
 
 def test_a_4_gib_threshold_works(monkeypatch):

@@ -7,6 +7,7 @@
     mpiexec -n 3 python -m gradfuse.bench collectives  # every compressor: time and bytes per rank
     python -m gradfuse.bench gpu [--pipeline]        # CUDA kernels vs a D2D copy (gradfuse.bench.gpu)
     mpiexec -n 2 python -m gradfuse.bench fixed      # fixed-gradient time-averages (gradfuse.bench.fixed)
+    mpiexec -n 2 python -m gradfuse.bench mxnet      # gradfuse.mxnet vs Horovod, Pipeline, MPI (gradfuse.bench.mxnet)
 
 Every method runs once per round, methods alternate inside a round, and the table
 reports the median over rounds, so drifting machine load hits all methods alike.
@@ -22,7 +23,8 @@ from .sets import SETS
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m gradfuse.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["fusion", "compress", "allreduce", "threshold", "collectives", "gpu", "fixed"])
+    ap.add_argument("what", choices=["fusion", "compress", "allreduce", "threshold", "collectives", "gpu", "fixed",
+                                           "mxnet"])
     ap.add_argument("--rounds", type=int, default=None, help="rounds per method (default 20; fusion 15)")
     ap.add_argument("--sets", default="resnet50,small", help="comma-separated: resnet50, small")
     ap.add_argument("--no-horovod", action="store_true", help="leave Horovod out even if installed")
@@ -33,6 +35,9 @@ def main(argv=None):
     if argv[:1] == ["fixed"]:
         from .fixed import main as fixed_main  # its own options: python -m gradfuse.bench fixed --help
         return fixed_main(argv[1:])
+    if argv[:1] == ["mxnet"]:
+        from .mxnet import main as mxnet_main  # its own options: python -m gradfuse.bench mxnet --help
+        return mxnet_main(argv[1:])
     args = ap.parse_args(argv)
     sets = [s for s in args.sets.split(",") if s]
     for s in sets:

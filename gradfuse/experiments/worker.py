@@ -107,7 +107,10 @@ def train(spec, emit):
             total += loss.sum().astype("float64")
             seen += len(idx)
             steps_done += 1
-        mx.nd.waitall()
+        try:
+            mx.nd.waitall()
+        except NonFiniteError:                  # the step's error, when MXNet's engine carried it here
+            nonfinite = True                    # (gradfuse.mxnet hands collectives to the engine)
         train_s = time.perf_counter() - t0
         sums = hvd.allreduce(mx.nd.array([float(total.asscalar()), seen, float(nonfinite)], dtype="float64"),
                              op=hvd.Sum, name=f"epoch{epoch}").asnumpy()

@@ -13,6 +13,15 @@ Two entry points, called once each per step on the caller's thread:
 Bad input raises ``TypeError``/``ValueError`` naming the tensor; the pipeline announces
 it to the other ranks, so that they raise too instead of waiting.
 
+A binding whose arrays get their memory later (MXNet allocates lazily and hands the
+memory over in its engine) passes a ``gradfuse.fusion.deferred.Deferred`` instead: names,
+signature and byte sizes now, the data pointers on the communication thread.
+
+Out-of-place calls without ``out=`` reuse their output arrays from one call to the next
+when the caller no longer holds them (``gradfuse.fusion.pool.OutputPool``, one per
+cached plan): fresh 100 MB outputs would pay a page fault per 4 KiB page at their first
+touch, every step.
+
 GPU tensors (cupy arrays, ``__cuda_array_interface__``, CUDA DLPack) become cupy views on
 their device (no copies, except non-contiguous inputs); all tensors of a call must be on
 one device. ``Outputs.ready`` is then an event on the caller's stream that the
@@ -23,19 +32,21 @@ import numpy as np
 from .. import _core
 from .. import dtypes as _dt
 from . import intake
+from .deferred import Deferred
 from .plan import parse_signature
 
 
 class Inputs:
     """The inputs of one call: objects, names, and the tables the plan is keyed by."""
 
-    __slots__ = ("objs", "names", "sig", "ptrs", "nbytes", "device", "xp")
+    __slots__ = ("objs", "names", "sig", "ptrs", "nbytes", "device", "xp", "deferred")
 
-    def __init__(self, objs, names, sig, ptrs, nbytes, device=None, xp=np):
+    def __init__(self, objs, names, sig, ptrs, nbytes, device=None, xp=np, deferred=None):
         self.objs, self.names = objs, names
         self.sig, self.ptrs, self.nbytes = sig, ptrs, nbytes
         self.device = device        # None on the host, else the CUDA device id
         self.xp = xp                # numpy, or cupy for GPU tensors
+        self.deferred = deferred    # a Deferred: pointers known only when the step runs
 
 
 class Outputs:
@@ -48,6 +59,9 @@ class Outputs:
 
 
 # --- argument shaping --------------------------------------------------------------
+_NAME_TYPES = {str, int}
+
+
 def flatten(grads, names):
     """Return (objects, names) for a list/tuple or dict of arrays."""
     if isinstance(grads, dict):
@@ -65,9 +79,10 @@ def flatten(grads, names):
         names = list(names)
         if len(names) != len(objs):
             raise ValueError(f"got {len(names)} names for {len(objs)} tensors")
-        for n in names:
-            if not isinstance(n, (str, int)) or isinstance(n, bool):
-                raise TypeError(f"tensor names must be str (or int positions), got {n!r}")
+        if not set(map(type, names)) <= _NAME_TYPES:      # one C pass; the loop names the culprit
+            for n in names:
+                if not isinstance(n, (str, int)) or isinstance(n, bool):
+                    raise TypeError(f"tensor names must be str (or int positions), got {n!r}")
         if len(set(names)) != len(names):
             seen, dups = set(), []
             for n in names:
@@ -367,6 +382,11 @@ def check_overlaps(in_ptrs, in_nb, out_ptrs, out_nb, names):
 # --- the two entry points ----------------------------------------------------------
 def read_inputs(grads, names, writable):
     """The ``Inputs`` of a call; ``writable`` for the in-place form (inputs are outputs)."""
+    if isinstance(grads, Deferred):
+        if names is not None:
+            raise TypeError("names= cannot be combined with a Deferred (it carries its names)")
+        objs, names = flatten([None] * len(grads.names), grads.names)
+        return Inputs(objs, names, grads.sig, grads.ptrs, grads.nbytes, deferred=grads)
     objs, names = flatten(grads, names)
     if objs and on_device(objs[0]):
         cp = _cupy_for(names[0])
@@ -384,6 +404,14 @@ def read_outputs(inputs, grads, out, entry):
     ``verified`` pair of pointer tables skips the overlap check while they repeat).
     """
     names, in_ptrs = inputs.names, inputs.ptrs
+    d = inputs.deferred
+    if d is not None:       # the binding's own outputs (or the inputs): nothing to check
+        if out is not None and out is not grads:
+            raise TypeError("out= cannot be combined with a Deferred (it carries its outputs)")
+        if (out is grads) != (d.out_ptrs is None):
+            raise ValueError("a Deferred with out_ptrs is reduced out of place (out=None), "
+                             "one without in place (out=itself)")
+        return Outputs(inputs.objs, in_ptrs if d.out_ptrs is None else d.out_ptrs, d.result)
     if inputs.device is None:
         objs, ptrs = _host_outputs(inputs, grads, out, entry)
         ready = None
@@ -411,8 +439,7 @@ def _host_outputs(inputs, grads, out, entry):
                                               writable=True, role="output")
         _check_out_signature(inputs.sig, out_sig, inputs.names)
         return objs, ptrs
-    objs = [np.empty(s, dtype=_dt.DTYPE[c]) for c, s in zip(entry.codes, entry.shapes)]
-    return objs, scan(objs)[1]
+    return entry.outputs.take(entry)
 
 
 def _device_outputs(inputs, grads, out, entry):

@@ -2,6 +2,7 @@
 (``*_built``, ``*_enabled``), the timeline, and process sets with the communicator each
 one runs on (``_comm_of``). The module state (``_state``) lives here."""
 import threading
+import warnings
 
 import numpy as np
 
@@ -47,8 +48,20 @@ def init(comm=None, process_sets=None):
         global_process_set.ranks = list(range(ctx.comm.size))
         global_process_set.process_set_id = 0
         global_process_set._comm = ctx.comm
+    _warn_unread(ctx.comm.rank)
     for ps in process_sets or ():
         add_process_set(ps)
+
+
+def _warn_unread(me):
+    """Rank 0 warns about Horovod settings that are set and that gradfuse does not read."""
+    from .. import config
+    unread = config.horovod_unread()
+    if unread and me == 0:
+        warnings.warn(f"gradfuse.mxnet does not read {', '.join(unread)} (Horovod settings; see docs/horovod.md: "
+                      f"it reads HOROVOD_FUSION_THRESHOLD, HOROVOD_STALL_CHECK_TIME_SECONDS and "
+                      f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, and start_timeline() writes Horovod's timeline)",
+                      UserWarning, stacklevel=3)
 
 
 def shutdown():
@@ -154,16 +167,38 @@ def rocm_built():
 
 # --- timeline ----------------------------------------------------------------------
 def start_timeline(file_path, mark_cycles=False):
-    """Record every collective of this binding (name, op, start, duration) and write them
-    as a Chrome trace (chrome://tracing, Perfetto) to ``file_path`` at ``stop_timeline()``."""
+    """Record what every collective does and write it at ``stop_timeline()`` as Horovod's
+    timeline: a Chrome trace (chrome://tracing, Perfetto), one "process" per tensor with
+    Horovod's phases (``NEGOTIATE_ALLREDUCE``, ``ALLREDUCE``, ``MEMCPY_IN_FUSION_BUFFER``,
+    ``MPI_ALLREDUCE``, ``MEMCPY_OUT_FUSION_BUFFER``, ...; ``CYCLE_START`` marks with
+    ``mark_cycles``). As in Horovod, only rank 0 records and writes ``file_path``; the
+    other ranks may call it too (they record nothing). It is a Horovod-named view of
+    gradfuse's one timeline (``gradfuse.runtime.timeline``)."""
     _require_init()
     if not file_path:
         raise ValueError("start_timeline needs a file path")
-    _timeline.start(file_path, mark_cycles)
+    me = rank()
+    _timeline.start(file_path, mark_cycles, view="horovod", rank=me, record=me == 0)
 
 
 def stop_timeline():
-    """Stop recording and write the trace file."""
+    """Stop recording and write the trace file (rank 0).
+
+    The collectives this rank called before ``stop_timeline()`` are in the file: it first
+    waits until gradfuse's communication thread has run them (their engine operations
+    started, their data moved; Horovod's stop takes effect at its background thread's next
+    cycle, so what it records of work still queued varies). It waits at most
+    GRADFUSE_STALL_WARNING_S (the stall warning's time), then warns with the collective that
+    still runs and writes what was recorded."""
+    _require_init()
+    if _timeline.recording():
+        from .. import config
+        from ..runtime.control import StallWarning
+        limit = config.stall_warning_s()
+        late = _runtime.flush(limit if limit > 0 else None)
+        if late:
+            warnings.warn(f"stop_timeline: {', '.join(late)} still running after {limit:g} s; the timeline "
+                          f"is written without the collectives not finished yet", StallWarning, stacklevel=2)
     _timeline.stop()
 
 

@@ -16,6 +16,20 @@ class RemoteInputMXNetError(RemoteInputError, MXNetError):
     """Another rank rejected its own input for this collective."""
 
 
+class InvalidInputMXNetError(ValueError, MXNetError):
+    """This rank's own input was refused (a ValueError, and the MXNetError Horovod raises)."""
+
+
+class InvalidTypeMXNetError(TypeError, MXNetError):
+    """This rank's own input has a type or dtype it cannot take (a TypeError and an MXNetError)."""
+
+
+def _local_mxnet_error(exc):
+    """This rank's own TypeError/ValueError as one that is also an MXNetError, same message."""
+    cls = InvalidTypeMXNetError if isinstance(exc, TypeError) else InvalidInputMXNetError
+    return cls(str(exc)).with_traceback(exc.__traceback__)
+
+
 def _mxnet_error(exc):
     """gradfuse's cross-rank errors as the MXNetError subclasses of this binding."""
     if isinstance(exc, MXNetError):
@@ -30,6 +44,10 @@ def _wait(handle):
         return handle.wait()
     except (RemoteInputError, MismatchError) as exc:
         raise _mxnet_error(exc) from None
+    except (TypeError, ValueError) as exc:      # this rank's own input (the others: RemoteInput...)
+        if isinstance(exc, MXNetError):
+            raise
+        raise _local_mxnet_error(exc) from None
 
 
 def _as_mxnet_errors(fn, *args, **kw):

@@ -1,85 +1,146 @@
-"""A fence in MXNet's engine around a collective in flight (``_fence``).
+"""The MXNet side of the engine hand-off: the C level configured from ctypes, the NDArray
+pass of a call, and the pushes into MXNet's engine.
 
-An asynchronous engine operation (``MXEnginePushAsyncND``, through ctypes) that mutates
-the collective's output NDArrays and completes only when gradfuse's communication
-thread has finished the collective, so MXNet operations issued afterwards that use the
-arrays wait for the result, as they would for Horovod's engine ops.
+``gradfuse.mxnet._engine`` (C++) holds the code; this module gives it the addresses of
+MXNet's C functions (``MXNDArrayGetData``, ``MXEnginePushAsyncND``, ...; on oneDNN builds
+also the two ``NDArray::Chunk`` methods that convert a oneDNN layout in place), and
+wraps it:
+
+* ``scan(nds)``: one C loop over a call's NDArrays (handles, dtypes, shapes, devices);
+* ``new_op(tables, n_read)`` and ``push(op, name)``: one engine operation that reads the first
+  ``n_read`` arrays and writes the others, pushed at once; its start callback (C, no
+  GIL) reads the data pointers when MXNet has finished every earlier write (and read,
+  for written arrays) and marks it ready; ``gradfuse.mxnet.handoff`` waits for that on
+  the communication thread, runs the collective and completes it;
+* ``reorder_inputs``: on oneDNN builds, the arrays an out-of-place collective only reads
+  are first converted to row-major by a short engine operation of their own (a oneDNN
+  layout can only be undone with write access).
 """
 import ctypes
 import os
-import threading
 
 import mxnet as mx
-from mxnet.base import _LIB, check_call
+import numpy as np
+from mxnet.base import _LIB
+
+from ..fusion.deferred import view_at
+from . import _engine
+
+_CPU_PRIORITIZED = 3           # mxnet::FnProperty::kCPUPrioritized, Horovod's choice
+# MXNet's dtype codes (mshadow) and the numpy dtypes they are
+_MX_DTYPES = {0: np.float32, 1: np.float64, 2: np.float16, 3: np.uint8, 4: np.int32, 5: np.int8,
+              6: np.int64, 7: np.bool_, 8: np.int16, 9: np.uint16, 10: np.uint32, 11: np.uint64}
+MX_DTYPE = {k: np.dtype(v) for k, v in _MX_DTYPES.items()}
+BAD_DEVICE, BAD_STORAGE, BAD_SHAPE, NOT_REDUCIBLE = (_engine.BAD_DEVICE, _engine.BAD_STORAGE,
+                                                     _engine.BAD_SHAPE, _engine.NOT_REDUCIBLE)
 
 
-class _DevCtx(ctypes.Structure):
-    _fields_ = [("dev_type", ctypes.c_int), ("dev_id", ctypes.c_int)]
+def _address(name):
+    try:
+        return ctypes.cast(getattr(_LIB, name), ctypes.c_void_p).value or 0
+    except AttributeError:
+        return 0
 
 
-class _OnComplete(ctypes.Structure):
-    """mxnet::engine::CallbackOnComplete: a function, the engine, a parameter."""
-    _fields_ = [("fn", ctypes.c_void_p), ("engine", ctypes.c_void_p), ("param", ctypes.c_void_p)]
+def _onednn():
+    try:
+        return mx.runtime.Features().is_enabled("MKLDNN")
+    except Exception:        # an unknown build: assume oneDNN
+        return True
 
 
-_ENGINE_ASYNC = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-_ENGINE_DONE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p)
-_fences = {}
-_fence_lock = threading.Lock()
-_fence_ids = iter(range(1, 1 << 62))
+ONEDNN = _onednn()
+_is_onednn = _address("_ZNK5mxnet7NDArray5Chunk8IsMKLDNNEv") if ONEDNN else 0
+_reorder = _address("_ZN5mxnet7NDArray5Chunk15Reorder2DefaultEv") if ONEDNN else 0
+# Pointers may be read in the engine's start callback: always without oneDNN; with it, only
+# when the callback can undo a oneDNN layout itself (else the call waits, as before)
+DEFERRED = not ONEDNN or bool(_is_onednn and _reorder)
+_engine.configure(_address("MXNDArrayGetData"), _address("MXNDArrayGetDType"),
+                  _address("MXNDArrayGetStorageType"), _address("MXNDArrayGetContext"),
+                  _address("MXNDArrayGetShapeEx"), _address("MXGetLastError"),
+                  _address("MXEnginePushAsyncND"), _is_onednn, _reorder)
 
 
-def _fence_started(rctx, on_complete, param):
-    """MXNet calls this (on an engine thread) once the fenced arrays are free; the
-    op stays in flight until gradfuse's collective has finished."""
-    cb = _OnComplete.from_address(on_complete)
-    saved = (cb.fn, cb.engine, cb.param)
-    with _fence_lock:
-        state = _fences[param]
-        state["cb"] = saved
-        finished = state["finished"]
-        if finished:
-            del _fences[param]
-    if not finished and state["naive"]:
-        state["event"].wait()       # NaiveEngine needs the op complete before it returns
-        with _fence_lock:
-            _fences.pop(param, None)
-        finished = True
-    if finished:
-        _ENGINE_DONE(saved[0])(saved[1], saved[2], None)
+def naive():
+    """True under MXNET_ENGINE_TYPE=NaiveEngine, which runs every push to completion."""
+    return os.environ.get("MXNET_ENGINE_TYPE", "") == "NaiveEngine"
 
 
-_FENCE_STARTED = _ENGINE_ASYNC(_fence_started)
+class Tables:
+    """The scan of one call's NDArrays: ``nds`` (inputs, or the in-place arrays) then
+    ``outs`` (outputs the binding made), and the data pointers the engine callback fills
+    (``ptrs``, in the same order)."""
+
+    __slots__ = ("nds", "outs", "n", "handles", "nbytes", "mxtypes", "flags", "ptrs", "sig", "out_sig", "_parsed")
+
+    def __init__(self, nds, outs=()):
+        n, m = len(nds), len(outs)
+        self.nds, self.outs, self.n = nds, outs, n
+        self.handles = np.empty(n + m, np.int64)
+        self.nbytes = np.empty(n + m, np.int64)
+        self.mxtypes = np.empty(n + m, np.int64)
+        self.flags = np.empty(n + m, np.int64)
+        self.ptrs = np.zeros(n + m, np.int64)
+        self.sig = _engine.scan(nds, self.handles, self.nbytes, self.mxtypes, self.flags)
+        self.out_sig = _engine.scan(outs, self.handles[n:], self.nbytes[n:], self.mxtypes[n:],
+                                    self.flags[n:]) if m else b""
+        self._parsed = None
+
+    def shape(self, i):
+        if self._parsed is None:
+            self._parsed = _parse(self.sig) + _parse(self.out_sig)
+        return self._parsed[i]
+
+    def dtype(self, i):
+        return MX_DTYPE.get(int(self.mxtypes[i]))
+
+    def views(self, lo, hi):
+        """numpy views of arrays ``lo..hi-1`` (valid once the engine has started the operation)."""
+        return [view_at(int(self.ptrs[i]), self.shape(i), self.dtype(i)) for i in range(lo, hi)]
 
 
-def _fence(ctx, nds, name, on_done=None):
-    """Tell MXNet's engine that ``nds`` are being written by the collective just submitted
-    to ``ctx``'s communication thread: MXNet operations issued afterwards that use them
-    wait until it has finished (as Horovod's engine ops do). ``on_done(fn)`` registers
-    the completion when it is not simply the next job of the communication thread."""
-    key = next(_fence_ids)
-    naive = os.environ.get("MXNET_ENGINE_TYPE", "") == "NaiveEngine"
-    state = {"cb": None, "finished": False, "naive": naive, "event": threading.Event()}
-    with _fence_lock:
-        _fences[key] = state
+def _parse(sig):
+    words = np.frombuffer(sig, dtype=np.int64).tolist()
+    out, k = [], 0
+    while k < len(words):
+        nd = words[k + 1]
+        out.append(tuple(words[k + 2:k + 2 + nd]))
+        k += 2 + nd
+    return out
 
-    def finished():                 # on the communication thread, after the collective
-        with _fence_lock:
-            state["finished"] = True
-            cb = state["cb"]
-            if cb is not None:
-                _fences.pop(key, None)
-        state["event"].set()
-        if cb is not None and not naive:
-            _ENGINE_DONE(cb[0])(cb[1], cb[2], None)
 
-    if on_done is None:
-        ctx.engine.submit(finished, f"{name}.fence")     # FIFO: runs after the collective
-    else:
-        on_done(finished)
-    c = nds[0].context
-    dev = _DevCtx(c.device_typeid, c.device_id)
-    check_call(_LIB.MXEnginePushAsyncND(
-        _FENCE_STARTED, ctypes.c_void_p(key), None, ctypes.byref(dev), None, 0,
-        mx.base.c_handle_array(nds), len(nds), None, 0, ctypes.c_char_p(b"gradfuse"),
-        ctypes.c_bool(False)))
+def new_op(tables, n_read):
+    """The engine operation over ``tables.handles`` (the first ``n_read`` read, the rest
+    written), not pushed yet. It keeps every NDArray of the call alive until it completes:
+    MXNet's engine holds only their variables, and the start callback reads the arrays."""
+    return _engine.Op(tables.handles, n_read, tables.ptrs, (tables.nds, tables.outs), naive())
+
+
+def push(op, name):
+    """Push ``op`` into MXNet's engine; returns at once, but under NaiveEngine only after
+    the operation has completed, so its collective must be queued before."""
+    op.push(name.encode("utf-8", "replace")[:200] or b"gradfuse", _CPU_PRIORITIZED)
+
+
+_reorders = []       # layout operations whose arrays are kept alive until they ran
+
+
+def reorder_inputs(tables, n):
+    """On oneDNN builds, an operation that converts the first ``n`` arrays (read-only in
+    the collective that follows) to row-major first, with write access."""
+    if not ONEDNN or n == 0:
+        return
+    _reorders[:] = [op for op in _reorders if not op.done]
+    op = _engine.Op(tables.handles[:n].copy(), 0, np.zeros(n, np.int64), list(tables.nds[:n]), naive(), True)
+    op.push(b"gradfuse.reorder", _CPU_PRIORITIZED)
+    _reorders.append(op)
+
+
+def wait_at_call(nds):
+    """Where pointers cannot be read in the engine callback (see ``DEFERRED``): wait for
+    MXNet's pending work on every array and read its pointer now (which undoes a oneDNN
+    layout), as the binding did before the hand-off."""
+    p = ctypes.c_void_p()
+    for nd in nds:
+        mx.base.check_call(_LIB.MXNDArrayWaitToWrite(nd.handle))
+        mx.base.check_call(_LIB.MXNDArrayGetData(nd.handle, ctypes.byref(p)))

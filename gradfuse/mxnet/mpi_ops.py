@@ -2,8 +2,12 @@
 broadcast, allgather, alltoall, reducescatter, the object collectives,
 ``broadcast_parameters``, and Horovod's op codes (Average, Sum, ...).
 
-Arrays go to ``gradfuse.collectives``; blocking collectives are matched by call order,
-async allreduces by name (``gradfuse.runtime.matching``).
+Every collective is handed to MXNet's engine and returns at once (``handoff``): the
+outputs are NDArrays whose MXNet operations wait for the result, as with Horovod.
+Sum (and Average where it is exact: a power-of-two number of ranks) goes through
+``gradfuse.Pipeline`` (fused); other ops and scale factors through
+``gradfuse.collectives``. Blocking-style collectives are matched by call order, async
+allreduces by name (``gradfuse.runtime.matching``).
 """
 import itertools
 import types
@@ -15,10 +19,9 @@ import numpy as np
 from .. import collectives as _coll
 from ..runtime import context as _runtime
 from ..runtime import matching as _matching
-from .arrays import _to_nd, _view
+from . import handoff, jobs
 from .basics import _comm_of, _ranks_of, _require_init, _span, global_process_set, size
 from .errors import _as_mxnet_errors, _wait
-from .fence import _fence
 
 # Horovod's op codes (horovod.common.basics), so code that stores them keeps working.
 Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
@@ -44,21 +47,33 @@ def _resolve_op(op, average):
     return op
 
 
+_name_cache = {}
+
+
 def _group_names(name, n):
+    """The names of a named group's tensors (``name.0``, ``name.1``, ...; kept for the next
+    call of the same group: 2000 f-strings a call are a good part of a call's own cost)."""
     if name is None:
         return None
-    return [str(name)] if n == 1 else [f"{name}.{i}" for i in range(n)]
+    if n == 1:
+        return [str(name)]
+    key = (name, n)
+    got = _name_cache.get(key)
+    if got is None:
+        if len(_name_cache) >= 256:
+            _name_cache.clear()
+        got = _name_cache[key] = tuple(f"{name}.{i}" for i in range(n))
+    return list(got)
 
 
 class AsyncHandle:
     """A collective in flight: ``wait()`` (or ``synchronize(handle)``) returns its result
-    once every rank has taken part; ``done()`` (or ``poll(handle)``) never blocks.
+    once every rank has taken part, or raises its error; ``done()`` (or ``poll(handle)``)
+    never blocks.
 
-    The arrays were read when the call was made (after MXNet finished writing them).
-    The outputs are fenced in MXNet's engine: MXNet operations issued after the call
-    that use them wait until the collective has finished, as with Horovod's engine ops.
-    Only direct memory access (``asnumpy`` goes through the engine and is safe; a numpy
-    view taken by hand is not) must wait for ``wait()``.
+    Its outputs are written through MXNet's engine: MXNet operations on them
+    (``asnumpy()``, ``x * 2``, an optimizer update) wait for the result without ``wait()``,
+    as with Horovod's engine operations.
     """
 
     __slots__ = ("_handle", "_result")
@@ -70,36 +85,51 @@ class AsyncHandle:
         return self._handle.done()
 
     def wait(self):
-        _wait(self._handle)
+        try:
+            _wait(self._handle)
+        except BaseException:
+            _consume(self._result)      # raised here: MXNet need not rethrow it again later
+            raise
         return self._result
 
 
-def _allreduce_async(tensors, inplace, average, name, prescale_factor, postscale_factor,
-                     process_set, op, group):
-    comm = _comm_of(process_set)
-    try:
-        op = _resolve_op(op, average)
-    except (ValueError, NotImplementedError) as exc:
-        # raised on every rank, not just here: the others would wait for this rank
-        return _coll.refuse_async("allreduce", exc, comm), list(tensors)
-    names = _group_names(name, len(tensors)) if group else (None if name is None else [str(name)])
-    if inplace:
-        outs = list(tensors)
-    else:
-        outs = [t.copy() if isinstance(t, mx.nd.NDArray) else t for t in tensors]
-    views = [_view(t, names[i] if names else f"tensor{i}") for i, t in enumerate(outs)]
-    h = _coll.allreduce_async(views, op=_OP_NAMES[op], names=names, prescale_factor=prescale_factor,
-                              postscale_factor=postscale_factor, comm=comm, inplace=True)
-    return h, outs
+def _consume(result):
+    """MXNet keeps a failed operation's error for the next wait on its outputs (or
+    ``waitall``, or its shutdown): once ``wait()`` has raised it, take MXNet's copy."""
+    for nd in (result if isinstance(result, (list, tuple)) else [result]):
+        if isinstance(nd, mx.nd.NDArray):
+            try:
+                nd.wait_to_read()
+            except mx.base.MXNetError:
+                pass
+            except (TypeError, ValueError):     # the binding's classes that are not MXNetErrors
+                pass
+
+
+def _names(ctx, op, name, n, group):
+    """The tensors' names, fixed at call time (auto-named calls are numbered in call order)."""
+    if name is not None:
+        return _group_names(name, n) if group else [str(name)]
+    return _coll._names(op, None, n, ctx)
 
 
 def _allreduce(tensors, inplace, average, name, prescale_factor, postscale_factor,
                process_set, op, group):
-    with _span("allreduce", name if name is not None else "allreduce"):
-        h, outs = _allreduce_async(tensors, inplace, average, name, prescale_factor,
-                                   postscale_factor, process_set, op, group)
-        _wait(h)
-    return outs
+    comm = _comm_of(process_set)
+    ctx = _runtime.context(comm)
+    try:
+        op = _resolve_op(op, average)
+    except (ValueError, NotImplementedError) as exc:
+        jobs.refuse("allreduce", exc, comm)        # raised on every rank, not just here
+    tensors = list(tensors)
+    names = _names(ctx, "allreduce", name, len(tensors), group)
+    bad = handoff.not_ndarrays(tensors, names)
+    if bad is not None:
+        jobs.refuse("allreduce", bad, comm)
+    outs = None if inplace else [handoff.empty_like(t) for t in tensors]
+    with _span("allreduce", names[0]):
+        jobs.allreduce(ctx, comm, tensors, outs, _OP_NAMES[op], names, prescale_factor, postscale_factor)
+    return tensors if inplace else outs
 
 
 _async_names = {}
@@ -118,19 +148,16 @@ def _allreduce_matched(tensors, inplace, average, name, prescale_factor, postsca
         counter = _async_names.setdefault(id(ctx), itertools.count())
         name = f"allreduce_async.noname.{next(counter)}"
     name = str(name)
+    tensors = list(tensors)
     names = _group_names(name, len(tensors)) if group else [name]
-    outs = list(tensors) if inplace else [t.copy() if isinstance(t, mx.nd.NDArray) else t
-                                          for t in tensors]
-    views = [_view(t, names[i]) for i, t in enumerate(outs)]
-    run = _coll.allreduce_async(views, op=_OP_NAMES[op], names=names, prescale_factor=prescale_factor,
-                                postscale_factor=postscale_factor, comm=comm, inplace=True,
-                                runner_only=True)
+    bad = handoff.not_ndarrays(tensors, names)
+    if bad is not None:
+        return _coll.refuse_async("allreduce", bad, comm), tensors
+    outs = None if inplace else [handoff.empty_like(t) for t in tensors]
     handle = _matching.MatchedHandle(name)
-    _matching.matcher(ctx).add(name, run, handle)
-    nds = [o for o in outs if isinstance(o, mx.nd.NDArray)]
-    if nds:     # after add: NaiveEngine runs the fence at once and waits for the round
-        _fence(ctx, nds, name, handle.add_done)
-    return handle, outs
+    jobs.matched_allreduce(ctx, comm, _matching.matcher(ctx), handle, tensors, outs, _OP_NAMES[op], names,
+                           prescale_factor, postscale_factor)
+    return handle, (tensors if inplace else outs)
 
 
 def allreduce_async(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
@@ -231,13 +258,13 @@ def _root_in(process_set, root_rank):
 
 def _broadcast(tensors, root_rank, names, process_set):
     comm = _comm_of(process_set)
+    ctx = _runtime.context(comm)
     root = _root_in(process_set, root_rank)
-    views = [_view(t, names[i] if names else f"tensor{i}") for i, t in enumerate(tensors)]
     if isinstance(root, _coll.InvalidInput):
-        views[0:1] = [root]       # reported on every rank through the negotiation
-        root = 0
-    with _span("broadcast", names[0] if names else "broadcast"):
-        _wait(_coll.broadcast_async(views, root, names=names, comm=comm))
+        jobs.refuse("broadcast", root.error, comm)      # raised on every rank
+    names = names or _coll._names("broadcast", None, len(tensors), ctx)
+    with _span("broadcast", names[0]):
+        jobs.broadcast(ctx, comm, tensors, root, names)
     return tensors
 
 
@@ -296,11 +323,10 @@ def broadcast_parameters(params, root_rank=0, prefix=None):
 
 def _allgather(tensors, name, process_set):
     comm = _comm_of(process_set)
-    names = _group_names(name, len(tensors))
-    views = [_view(t, names[i] if names else f"tensor{i}") for i, t in enumerate(tensors)]
-    with _span("allgather", names[0] if names else "allgather"):
-        outs = _wait(_coll.allgather_async(views, names=names, comm=comm))
-    return [_to_nd(o, t) for o, t in zip(outs, tensors)]
+    ctx = _runtime.context(comm)
+    names = _names(ctx, "allgather", name, len(tensors), True)
+    with _span("allgather", names[0]):
+        return jobs.allgather(ctx, comm, list(tensors), names)
 
 
 def allgather(tensor, name=None, priority=0, process_set=global_process_set):
@@ -319,32 +345,31 @@ def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_proc
     """Send ``splits[r]`` rows of ``tensor`` to rank r of the process set.
 
     Returns the received rows, and with ``splits`` given also the received splits
-    (an int32 NDArray), as Horovod does.
+    (an int32 NDArray), as Horovod does. The other ranks' splits are needed to size the
+    output: they are exchanged at call time (a short blocking round), the rows then
+    move through MXNet's engine.
     """
     comm = _comm_of(process_set)
-    view = _view(tensor, name or "tensor")
+    ctx = _runtime.context(comm)
+    name = _names(ctx, "alltoall", name, 1, False)[0]
     if splits is not None and isinstance(splits, mx.nd.NDArray):
         splits = splits.asnumpy()
-    with _span("alltoall", name or "alltoall"):
-        out, recv = _wait(_coll.alltoall_async(view, splits, name=name, comm=comm))
-    result = _to_nd(out, tensor)
+    with _span("alltoall", name):
+        result, recv = jobs.alltoall(ctx, comm, tensor, splits, name)
     if splits is None:
         return result
-    return result, mx.nd.array(recv, ctx=mx.cpu(), dtype=np.int32)
+    return result, recv
 
 
 def _reducescatter(tensors, op, name, process_set, prescale_factor, postscale_factor):
     comm = _comm_of(process_set)
+    ctx = _runtime.context(comm)
     if op not in (Average, Sum):
-        _wait(_coll.refuse_async("reducescatter", ValueError(
-            f"reducescatter supports op=Average or Sum, got {op!r}"), comm))
-    names = _group_names(name, len(tensors))
-    views = [_view(t, names[i] if names else f"tensor{i}") for i, t in enumerate(tensors)]
-    with _span("reducescatter", names[0] if names else "reducescatter"):
-        outs = _wait(_coll.reducescatter_async(views, op=_OP_NAMES[op], names=names,
-                                               prescale_factor=prescale_factor,
-                                               postscale_factor=postscale_factor, comm=comm))
-    return [_to_nd(o, t) for o, t in zip(outs, tensors)]
+        jobs.refuse("reducescatter", ValueError(f"reducescatter supports op=Average or Sum, got {op!r}"), comm)
+    names = _names(ctx, "reducescatter", name, len(tensors), True)
+    with _span("reducescatter", names[0]):
+        return jobs.reducescatter(ctx, comm, list(tensors), _OP_NAMES[op], names, prescale_factor,
+                                  postscale_factor)
 
 
 def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set,
@@ -363,7 +388,7 @@ def grouped_reducescatter(tensors, op=Average, name=None, priority=0,
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Return ``obj`` of ``root_rank`` on every rank (pickle).
+    """Return ``obj`` of ``root_rank`` on every rank (cloudpickle; trusted peers only).
 
     Unpickling runs code chosen by the sender: use it only between the trusted
     processes of one job.

@@ -14,6 +14,8 @@ import numpy as np
 from .. import collectives as _coll
 from ..compressors.policy import rename
 from ..pipeline import Pipeline
+from ..runtime import context as _runtime
+from . import handoff
 from .arrays import _view
 from .basics import _comm_of, _span, global_process_set, rank
 from . import momentum as _momentum
@@ -50,6 +52,7 @@ class _Reducer:
         self._config = dict(compress=compress, average=True, comm=self.comm,
                             fusion_threshold=fusion_threshold, **compressor_options)
         self.pipelines = [Pipeline(**self._config)]
+        self._inflight = []          # the handles of the last reduce_'s groups
 
     @property
     def pipeline(self):
@@ -61,8 +64,9 @@ class _Reducer:
         return self.pipelines[g]
 
     def stats(self):
-        """The counters of all bucket pipelines, summed."""
+        """The counters of all bucket pipelines, summed (after the groups in flight)."""
         from ..step import Stats
+        self.synchronize()
         total = Stats()
         for p in self.pipelines:
             for f in Stats.FIELDS:
@@ -88,7 +92,16 @@ class _Reducer:
 
     def reduce_(self, grads, names, num_groups=0, compression=NoneCompressor,
                 predivide=1.0, overlap=False):
-        """Average ``grads`` (NDArrays) across the process set, in place."""
+        """Average ``grads`` (NDArrays) across the process set, in place.
+
+        Each group (one, ``num_groups``, or the overlap buckets) is one operation in
+        MXNet's engine (``handoff.reduce_group``), so this returns at once: MXNet starts a
+        group when backward has written its gradients, and the optimizer's update (any
+        MXNet operation on them) waits for its result. A failed group's error is
+        rethrown by MXNet there; the other groups keep their gradients locked in MXNet's
+        engine until their own writes are done, so no later operation (the next backward)
+        sees them half written.
+        """
         if not grads:
             return
         if compression is not NoneCompressor:
@@ -98,24 +111,69 @@ class _Reducer:
             sent, ctxs = grads, None
         _scale_nd(sent, 1.0 / predivide)
         handles = []
-        with _span("allreduce", names[0]):
-            for g, idx in enumerate(self._groups(sent, num_groups, overlap)):
-                # zero-copy views of the NDArrays (each waits until MXNet has written
-                # that gradient): the pipeline reads them and writes the results
-                # straight into their memory (out=part)
-                part = [_view(sent[i], names[i], device_ok=True) for i in idx]
-                bad = [p for p in part if isinstance(p, _coll.InvalidInput)]
-                if bad:     # every rank raises: the others learn it in the negotiation
-                    handles.append(_coll.refuse_async("allreduce", bad[0].error, self.comm))
-                    continue
-                handles.append(self._pipe(g).allreduce_async(part, out=part,
-                                                             names=[names[i] for i in idx]))
-            for h in handles:
-                _wait(h)
-        _scale_nd(sent, predivide)
+        try:
+            with _span("allreduce", names[0]):
+                groups = self._groups(sent, num_groups, overlap)
+                for g, idx in enumerate(groups):
+                    part, part_names = [sent[i] for i in idx], [names[i] for i in idx]
+                    try:
+                        h = handoff.reduce_group(self._pipe(g), part, part_names)
+                        if h is None:        # GPU arrays: through their DLPack views, waited for here
+                            h = self._device_group(self._pipe(g), part, part_names)
+                    except Exception as exc:
+                        self._refuse_rest(groups[g + 1:], names, exc)
+                        raise
+                    handles.append(h)
+        finally:
+            self._inflight = handles
+            _scale_nd(sent, predivide)       # an MXNet operation: after the reductions
         if ctxs is not None:
             for g, s, c in zip(grads, sent, ctxs):
                 g[:] = compression.decompress(s, c)
+
+    def _refuse_rest(self, groups, names, exc):
+        """A group failed on this rank (its own check, after its earlier groups were queued):
+        refuse the groups after it too, so that the other ranks' requests for them are
+        answered, by an error, instead of pairing with this rank's next collective."""
+        refusals = [_coll.refuse_async("allreduce", ValueError(
+            f"tensor {names[idx[0]]!r}: not reduced, an earlier group of the same call failed: {exc}"), self.comm)
+            for idx in groups]
+        for h in refusals:       # each raises this rank's own refusal: already reported by ``exc``
+            try:
+                h.wait()
+            except Exception:
+                pass
+
+    def _device_group(self, pipe, part, part_names):
+        views = [_view(t, n, device_ok=True) for t, n in zip(part, part_names)]
+        bad = [v for v in views if isinstance(v, _coll.InvalidInput)]
+        if bad:     # every rank raises: the others learn it in the negotiation
+            _wait(_coll.refuse_async("allreduce", bad[0].error, self.comm))
+        h = pipe.allreduce_async(views, out=views, names=part_names)
+        _wait(h)
+        return h
+
+    def synchronize(self):
+        """Wait until the groups in flight have finished (their errors went to MXNet)."""
+        handles, self._inflight = self._inflight, []
+        for h in handles:
+            try:
+                h.wait()
+            except Exception:
+                pass
+
+    def scale_velocity(self, factor):
+        """``CompressionState.scale_velocity`` of every pipeline, between two steps: queued
+        on the communication thread, after the step in flight."""
+        if factor == 1.0:
+            return
+        pipes = list(self.pipelines)
+        _runtime.context(self.comm).engine.submit(
+            lambda: [p.state.scale_velocity(factor) for p in pipes], "scale_velocity")
+
+    def state_dicts(self):
+        self.synchronize()
+        return [p.state_dict() for p in self.pipelines]
 
 
 class DistributedOptimizer(mx.optimizer.Optimizer):
@@ -175,8 +233,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         state = dict(self.__dict__)
         state["_reducer"] = None          # a communicator does not pickle
         # this rank's velocities (numpy state dicts) travel; the reducers are made again
-        state["_saved"] = dict(self._saved, **{k: [p.state_dict() for p in r.pipelines]
-                                               for k, r in self._reducers.items()})
+        state["_saved"] = dict(self._saved, **{k: r.state_dicts() for k, r in self._reducers.items()})
         state["_reducers"] = {}
         return state
 
@@ -211,9 +268,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             for g, sd in enumerate(self._saved.pop(key, [])):
                 red._pipe(g).load_state_dict(sd)
         self._correction.prepare(self._optimizer, idx, gs, ws)
-        f = self._correction.lr_factor(self._optimizer, idx, key)
-        for p in red.pipelines:
-            p.state.scale_velocity(f)
+        red.scale_velocity(self._correction.lr_factor(self._optimizer, idx, key))
         red.reduce_(gs, [str(i) for i in idx], self._num_groups, predivide=self._gradient_predivide_factor)
 
     def _do_allreduce(self, index, grad):
@@ -347,14 +402,25 @@ class DistributedTrainer(mx.gluon.Trainer):
         return grads, names
 
     def _allreduce_grads(self):
+        # several contexts per worker (ctx=[cpu(0), cpu(1)]): the first device's gradient
+        # takes the sum of the others', is reduced, and is copied back (MXNet's engine
+        # orders the copies after the reduction)
+        multi = [p.list_grad() for p in self._params if p.grad_req != "null" and len(p.list_grad()) > 1]
+        for gs in multi:
+            for g in gs[1:]:
+                gs[0] += g.as_in_context(gs[0].context)
+        self._allreduce_first_device()
+        for gs in multi:
+            for g in gs[1:]:
+                gs[0].copyto(g)
+
+    def _allreduce_first_device(self):
         if self._correction is not None:        # the velocity lives here, on one rank too
             idx = [i for i, p in enumerate(self._params) if p.grad_req != "null"]
             grads, names = self._grads()
             self._correction.prepare(self._optimizer, idx, grads,
                                      [self._params[i].list_data()[0] for i in idx])
-            f = self._correction.lr_factor(self._optimizer, idx)
-            for p in self._reducer.pipelines:
-                p.state.scale_velocity(f)
+            self._reducer.scale_velocity(self._correction.lr_factor(self._optimizer, idx))
             self._reducer.reduce_(grads, names, self._num_groups, self._compression,
                                   self._gradient_predivide_factor, overlap=self._overlap)
             return
@@ -376,7 +442,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         super().save_states(fname)
         pipes = self._reducer.pipelines if self._reducer is not None else []
         if pipes and all(hasattr(p, "state_dict") for p in pipes):
-            side = {"format": "gradfuse.mxnet/1", "rank": rank(), "pipelines": [p.state_dict() for p in pipes]}
+            side = {"format": "gradfuse.mxnet/1", "rank": rank(), "pipelines": self._reducer.state_dicts()}
             if self._correction is not None:
                 side["momentum_correction"] = self._correction.state()      # the last lr (velocity scale)
             with open(_sidecar(fname), "wb") as f:
@@ -387,6 +453,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         super().load_states(fname)
         side = _sidecar(fname)
         if self._reducer is not None and os.path.exists(side):
+            self._reducer.synchronize()
             with open(side, "rb") as f:
                 saved = pickle.load(f)
             for g, state in enumerate(saved["pipelines"]):

@@ -116,6 +116,22 @@ def all_contexts():
     return out
 
 
+def flush(timeout=None):
+    """Wait until every communication thread has run the jobs queued before this call
+    (a no-op job queued behind them finishes; nothing is sent). Returns the names of the
+    jobs still running on the threads that did not get there within ``timeout`` seconds
+    (None: no limit), or an empty list."""
+    marks = [(ctx, ctx.engine.submit(lambda: None, "flush")) for ctx in all_contexts()]
+    late = []
+    for ctx, mark in marks:
+        try:
+            mark.wait(timeout)
+        except TimeoutError:
+            running = ctx.engine.inflight
+            late.append(running[0] if running else "a queued job")
+    return late
+
+
 def is_initialized():
     return _default is not None
 

@@ -80,6 +80,11 @@ class Engine:
             else:
                 self.inflight = None
                 handle._set(result=result)
+            # the job's references go now, not when the next job arrives (an out-of-place
+            # call's outputs are free for the output pool sooner; the caller, woken by _set,
+            # may still take its next set before this runs, so two sets may take turns)
+            del item, fn, handle
+            result = None
 
     def shutdown(self):
         self._queue.put(None)

@@ -88,3 +88,117 @@ def test_pushpull_and_broadcast_directly(world):
     assert fresh.pipeline.compressor.name == "none"
     with pytest.raises(ValueError, match="unknown compressor"):
         hvd.KVStore(compress="no-such").pipeline
+
+
+# --- what MXNet hands a KVStore: value lists, per-device lists (issue 15) ----------------
+CTXS = [mx.cpu(0), mx.cpu(1)]
+
+
+def test_broadcast_takes_a_value_list(world):
+    kv = hvd.KVStore()
+    nd = mx.nd.ones((3,)) * (world.rank + 5)
+    o = mx.nd.zeros((3,))
+    kv.broadcast("200", [nd], out=o)                 # raised TypeError before issue 15
+    np.testing.assert_array_equal(o.asnumpy(), np.full(3, 5))
+    outs = [mx.nd.zeros((2,), ctx=c) for c in CTXS]
+    kv.broadcast(["201"], [[mx.nd.ones((2,), ctx=CTXS[0]) * world.rank]], out=[outs])
+    for x in outs:
+        np.testing.assert_array_equal(x.asnumpy(), np.zeros(2))
+    np.testing.assert_array_equal(nd.asnumpy(), np.full(3, world.rank + 5))   # the value is untouched
+
+
+def test_pushpull_sums_devices_then_ranks(world):
+    kv = hvd.KVStore()
+    total = sum(range(world.size))
+    vals = [mx.nd.ones((4,), ctx=c) * (world.rank + d) for d, c in enumerate(CTXS)]
+    kv.pushpull("a", vals)                           # out=None: every device gets the sum
+    want = np.full(4, 2 * total + world.size)         # sum over ranks of (r + 0) + (r + 1)
+    for v in vals:
+        np.testing.assert_array_equal(v.asnumpy(), want)
+    outs = [mx.nd.zeros((4,), ctx=c) for c in CTXS]
+    a = [mx.nd.ones((4,), ctx=c) for c in CTXS]
+    b = [mx.nd.ones((2, 2), ctx=c) * 3 for c in CTXS]
+    outs_b = [mx.nd.zeros((2, 2), ctx=c) for c in CTXS]
+    kv.pushpull(["x", "y"], [a, b], out=[outs, outs_b])     # several keys, several devices
+    for o in outs:
+        np.testing.assert_array_equal(o.asnumpy(), np.full(4, 2 * world.size))
+    for o in outs_b:
+        np.testing.assert_array_equal(o.asnumpy(), np.full((2, 2), 6 * world.size))
+
+
+def test_init_push_pull(world):
+    kv = hvd.KVStore()
+    kv.init("w", mx.nd.ones((3,)) * (world.rank + 1))        # the store keeps rank 0's value
+    out = [mx.nd.zeros((3,), ctx=c) for c in CTXS]
+    kv.pull("w", out=out)
+    for o in out:
+        np.testing.assert_array_equal(o.asnumpy(), np.ones(3))
+    kv.push("w", [mx.nd.ones((3,), ctx=c) for c in CTXS])    # no optimizer: the sum replaces it
+    kv.pull("w", out=out[0])
+    np.testing.assert_array_equal(out[0].asnumpy(), np.full(3, 2 * world.size))
+    with pytest.raises(KeyError, match="never initialised"):
+        kv.pull("nope", out=out[0])
+
+
+def _scoped_mlp(seed, tag, ctxs=None):
+    """mlp(seed) named under its own prefix: Gluon's global name counters stay untouched
+    (other tests pair parameters by sorted names, which a shifted counter reorders)."""
+    holder = gluon.nn.HybridSequential(prefix=f"kv{tag}_")
+    with holder.name_scope():
+        net = mlp(seed)
+    if ctxs:
+        for p in net.collect_params().values():
+            p.reset_ctx(ctxs)
+    return net
+
+
+def _values(net):
+    return [p.data().asnumpy() for p in net.collect_params().values()]
+
+
+def _train_multi(net, trainer, steps, rank, step_size):
+    """Each step: this rank's batch split over the two devices, one backward per device."""
+    for s in range(steps):
+        x, y = batch(s, rank)
+        xs = gluon.utils.split_and_load(x, CTXS)
+        ys = gluon.utils.split_and_load(y, CTXS)
+        with autograd.record():
+            losses = [LOSS(net(a), b) for a, b in zip(xs, ys)]
+        autograd.backward(losses)
+        trainer.step(step_size)
+
+
+def _params_per_device(net):
+    return [[d.asnumpy() for d in p.list_data()] for p in net.collect_params().values()]
+
+
+@pytest.mark.parametrize("how", ["dist_gradfuse", "update_on_kvstore", "DistributedTrainer"])
+def test_gluon_training_with_two_contexts_per_rank(world, how):
+    """ctx=[cpu(0), cpu(1)] on every rank: the same parameters as one process on one device
+    stepping on every rank's batch, on both devices of every rank."""
+    start = _scoped_mlp(500, f"{how}.start")
+    net = _scoped_mlp(500, f"{how}.net", CTXS)
+    opt = {"learning_rate": 0.1, "momentum": 0.9, "wd": 1e-4}
+    if how == "DistributedTrainer":
+        tr = hvd.DistributedTrainer(net.collect_params(), "sgd", dict(opt))
+        step_size = B                                   # averaged over the ranks: the rank's batch
+    else:
+        tr = gluon.Trainer(net.collect_params(), "sgd", dict(opt), kvstore="dist_gradfuse",
+                           update_on_kvstore=True if how == "update_on_kvstore" else None)
+        step_size = world.size * B                      # the store sums: the global batch
+    _train_multi(net, tr, 4, world.rank, step_size)
+    if how != "DistributedTrainer":
+        assert tr._update_on_kvstore == (how == "update_on_kvstore")
+    ref = _scoped_mlp(0, f"{how}.ref")
+    for a, b in zip(start.collect_params().values(), ref.collect_params().values()):
+        b.set_data(a.data().copy())
+    rtr = gluon.Trainer(ref.collect_params(), "sgd", dict(opt), kvstore=None)
+    _train(ref, rtr, 4, list(range(world.size)), world.size * B)
+    mine = _params_per_device(net)
+    for devs, want in zip(mine, _values(ref)):
+        for got in devs:
+            np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+        np.testing.assert_array_equal(devs[0], devs[1])     # the devices agree exactly
+    for other in hvd.allgather_object([d[0] for d in mine], name=f"kv.multi.{how}"):
+        for a, b in zip(other, mine):
+            np.testing.assert_array_equal(a, b[0])
