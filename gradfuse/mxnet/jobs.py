@@ -59,6 +59,21 @@ def _fused(tables, op, pre, post, size):
     return op == "average" and floats and size & (size - 1) == 0
 
 
+def _allreduce_work(comm, tables, outs, op, names, pre, post):
+    """The communication thread's half of an unfused allreduce: copy into ``outs`` (out of
+    place), then reduce there with the framework-free collective."""
+    n = tables.n
+
+    def work():
+        dst = tables.views(0, n)
+        if outs:
+            src, dst = dst, tables.views(n, 2 * n)
+            _copy_into(dst, src)
+        return _coll.allreduce_async(dst, op=op, names=names, prescale_factor=pre, postscale_factor=post,
+                                     comm=comm, inplace=True, runner_only=True)()
+    return work
+
+
 def allreduce(ctx, comm, tensors, outs, op, names, pre, post):
     """Reduce ``tensors`` into ``outs`` (new NDArrays), or in place when ``outs`` is None."""
     tables = _tables("allreduce", tensors, names, True, comm, outs or ())
@@ -67,15 +82,7 @@ def allreduce(ctx, comm, tensors, outs, op, names, pre, post):
         pipe = handoff.reduce_pipeline(comm, op == "average")
         return handoff.pipeline_call(pipe, tables, names, outs)
     call = handoff.Call(tables, n if outs else 0, "gradfuse.allreduce", names)
-
-    def work():
-        dst = tables.views(0, n)
-        if outs:
-            src, dst = dst, tables.views(n, 2 * n)
-            _copy_into(dst, src)
-        return _coll.allreduce_async(dst, op=op, names=names, prescale_factor=pre, postscale_factor=post,
-                                     comm=comm, inplace=True, runner_only=True)()
-    return handoff.submit(call, ctx, "allreduce", work)
+    return handoff.submit(call, ctx, "allreduce", _allreduce_work(comm, tables, outs, op, names, pre, post))
 
 
 def matched_allreduce(ctx, comm, matcher, handle, tensors, outs, op, names, pre, post):
@@ -84,14 +91,7 @@ def matched_allreduce(ctx, comm, matcher, handle, tensors, outs, op, names, pre,
     tables = _tables("allreduce", tensors, names, True, comm, outs or ())
     n = tables.n
     call = handoff.Call(tables, n if outs else 0, f"gradfuse.{handle.name}", names)
-
-    def work():
-        dst = tables.views(0, n)
-        if outs:
-            src, dst = dst, tables.views(n, 2 * n)
-            _copy_into(dst, src)
-        return _coll.allreduce_async(dst, op=op, names=names, prescale_factor=pre, postscale_factor=post,
-                                     comm=comm, inplace=True, runner_only=True)()
+    work = _allreduce_work(comm, tables, outs, op, names, pre, post)
 
     def abandon():
         # a round that failed before this name ran: the engine operation still completes
