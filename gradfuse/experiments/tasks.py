@@ -142,6 +142,21 @@ class Task:
         return {"test_accuracy": correct / len(xt), "objective": float("nan")}
 
 
+def digits_cnn():
+    """The digits CNN (also examples/mxnet_gluon_digits.py's): Conv(16, 3x3, pad 1, relu),
+    MaxPool(2), Conv(32, 3x3, pad 1, relu), MaxPool(2), Dense(64, relu), Dense(10)."""
+    from mxnet import gluon
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Conv2D(16, 3, padding=1, activation="relu"),
+            gluon.nn.MaxPool2D(2),
+            gluon.nn.Conv2D(32, 3, padding=1, activation="relu"),
+            gluon.nn.MaxPool2D(2),
+            gluon.nn.Flatten(),
+            gluon.nn.Dense(64, activation="relu"),
+            gluon.nn.Dense(10))
+    return net
+
+
 class DigitsCNN(Task):
     """The CNN of examples/mxnet_gluon_digits.py on scikit-learn's digits.
 
@@ -166,16 +181,7 @@ class DigitsCNN(Task):
         return x[train], y[train], x[test], y[test]
 
     def build_net(self):
-        from mxnet import gluon
-        net = gluon.nn.HybridSequential()
-        net.add(gluon.nn.Conv2D(16, 3, padding=1, activation="relu"),
-                gluon.nn.MaxPool2D(2),
-                gluon.nn.Conv2D(32, 3, padding=1, activation="relu"),
-                gluon.nn.MaxPool2D(2),
-                gluon.nn.Flatten(),
-                gluon.nn.Dense(64, activation="relu"),
-                gluon.nn.Dense(10))
-        return net
+        return digits_cnn()
 
 
 class MLP(Task):
