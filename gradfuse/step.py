@@ -24,7 +24,7 @@ import numpy as np
 from . import dtypes as _dt
 from .compressors import momentum as _momentum
 from .compressors.base import BucketContext
-from .compressors.exchange import BucketTask, job_class, ring_bytes
+from .compressors.jobs import BucketTask, job_class, ring_bytes
 from .errors import NonFiniteError
 from .fusion.staging import F16, staging
 from .fusion.tables import as_ndarray

@@ -13,7 +13,7 @@ import gradfuse
 from gradfuse.compressors import BucketContext, create
 from gradfuse.errors import NonFiniteError
 from gradfuse.bench import fixed
-from gradfuse.compressors.exchange import twophase_chunk
+from gradfuse.compressors.twophase import twophase_chunk
 from gradfuse.compressors.onebit import BlockLayout
 
 ONE_BUCKET = 1 << 30          # every float32 tensor in one bucket, so the reference is simple
