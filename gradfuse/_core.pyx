@@ -252,5 +252,6 @@ _init_simd_from_env()
 # Compressor kernels, one include per family (each with a numpy twin in tests/).
 include "kernels/_cast.pxi"
 include "kernels/_quant.pxi"
+include "kernels/_twobit.pxi"
 include "kernels/_sparse.pxi"
 include "kernels/_momentum.pxi"

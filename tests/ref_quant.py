@@ -156,3 +156,101 @@ def twobit_decode(codes, threshold, n):
 @_quiet
 def twobit_decompress_sum(codes, threshold, n, divisor):
     return _sum_div([twobit_decode(codes[r], threshold, n) for r in range(len(codes))], divisor)
+
+
+# ---------------------------------------------------------------- 2-bit, per-block scale
+
+def twobit_block_sizes(counts, block):
+    """(words, values) of a scaled 2-bit bucket: sums of ceil(n_i/16) and ceil(n_i/B)."""
+    return (sum(-(-int(c) // 16) for c in counts), sum(-(-int(c) // block) for c in counts))
+
+
+def _lane_mean(a, block, n):
+    """Canonical block means of a (already |.|, masked): 32 lanes, shfl_down tree, / n."""
+    nblocks = len(n)
+    lanes = np.zeros((nblocks, 32), dtype=F32)
+    a = a.reshape(nblocks, block // 32, 32)
+    for i in range(block // 32):
+        lanes = lanes + a[:, i, :]
+    for off in (16, 8, 4, 2, 1):
+        lanes[:, :off] = lanes[:, :off] + lanes[:, off:2 * off]
+    return lanes[:, 0], n
+
+
+@_quiet
+def _twobit_block_one(c, block, factor):
+    """(codes per element 0/1/2, values per block, decoded per element) of one tensor."""
+    m = len(c)
+    nb = -(-m // block)
+    cnt = np.full(nb, block, dtype=np.int64)
+    if nb:
+        cnt[-1] = m - (nb - 1) * block
+    a = np.zeros(nb * block, dtype=F32)
+    a[:m] = c
+    s_tot, _ = _lane_mean(np.abs(a), block, cnt)
+    s = (s_tot / cnt.astype(F32)).astype(F32)
+    t = (s * F32(factor)).astype(F32)
+    tj = np.repeat(t, block)
+    pos = (a > 0) & (a >= tj)
+    neg = (a < 0) & (a <= -tj)
+    pos[m:] = neg[m:] = False
+    sel = pos | neg
+    v_tot, _ = _lane_mean(np.where(sel, np.abs(a), F32(0)).astype(F32), block, cnt)
+    nsel = sel.reshape(nb, block).sum(axis=1)
+    v = np.where(nsel > 0, v_tot / np.maximum(nsel, 1).astype(F32), F32(0)).astype(F32)
+    vj = np.repeat(v, block)
+    q = np.where(pos, vj, np.where(neg, -vj, F32(0))).astype(F32)[:m]
+    code = np.where(pos, 1, np.where(neg, 2, 0)).astype(np.uint8)[:m]
+    return code, v, s, q
+
+
+def _pack_codes(code):
+    nw = -(-len(code) // 16)
+    pad = np.zeros(nw * 16, dtype=np.uint32)
+    pad[:len(code)] = code
+    pad = pad.reshape(nw, 16)
+    w = np.zeros(nw, dtype=np.uint32)
+    for k in range(16):
+        w |= pad[:, k] << np.uint32(2 * k)
+    return w
+
+
+@_quiet
+def twobit_block_compress(g, e, block, factor, counts=None):
+    """Scaled 2-bit (docs/compressors.md "2-bit: layout"): returns (codes uint32[sum
+    ceil(n_i/16)], values float32[sum ceil(n_i/B)], residual or None, nbad = blocks whose
+    mean |c| is non-finite). Blocks restart at every tensor."""
+    c, fb = _residual_in(g, e)
+    words, vals, qs, nbad = [], [], [], 0
+    for st, m in _segments(len(c), counts):
+        code, v, s, q = _twobit_block_one(c[st:st + m], block, factor)
+        words.append(_pack_codes(code))
+        vals.append(v)
+        qs.append(q)
+        nbad += int(np.count_nonzero(~np.isfinite(s)))
+    codes = np.concatenate(words).astype(np.uint32) if words else np.zeros(0, np.uint32)
+    values = np.concatenate(vals).astype(F32) if vals else np.zeros(0, F32)
+    q = np.concatenate(qs).astype(F32) if qs else np.zeros(0, F32)
+    res = (c - q).astype(F32) if fb else None
+    return codes, values, res, nbad
+
+
+def twobit_block_decode(codes, values, block, n, counts=None):
+    codes = np.asarray(codes, dtype=np.uint32)
+    values = np.asarray(values, dtype=F32)
+    out, w, b = [], 0, 0
+    for _, m in _segments(n, counts):
+        nw, nb = -(-m // 16), -(-m // block)
+        k = np.stack([(codes[w:w + nw] >> np.uint32(2 * i)) & np.uint32(3) for i in range(16)],
+                     axis=1).reshape(-1)[:m]
+        vj = np.repeat(values[b:b + nb], block)[:m]
+        out.append(np.where(k == 1, vj, np.where(k == 2, -vj, F32(0))).astype(F32))
+        w, b = w + nw, b + nb
+    return np.concatenate(out).astype(F32) if out else np.zeros(0, F32)
+
+
+@_quiet
+def twobit_block_decompress_sum(codes, values, block, n, divisor, counts=None):
+    """codes (p, words), values (p, blocks): ((v0 + v1) + ...) / float32(divisor)."""
+    return _sum_div([twobit_block_decode(codes[r], values[r], block, n, counts) for r in range(len(codes))],
+                    divisor)

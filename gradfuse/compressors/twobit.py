@@ -1,49 +1,149 @@
-"""2-bit threshold quantization with MXNet kvstore semantics.
+"""2-bit quantization: three levels per element, in one of two formats.
 
-Each value (after error feedback) becomes +t if c >= t, -t if c <= -t, else 0; the
-residual keeps the rest (error feedback is the residual MXNet keeps: there is exactly one).
-Layout: 4 values per byte, element j in bits 2*(j % 4)..2*(j % 4)+1 of byte j // 4
-(LSB first): 0b00 = 0, 0b01 = +t, 0b10 = -t; ceil(n/4) bytes. t is not sent: the ranks
-agree on it through the control plane.
+**Scaled (the default, ``threshold=None``).** Blocks of B elements (``block_size``, a
+multiple of 32) restart at every tensor of the bucket, as 1-bit's do (a tensor's last
+block may be short), so the threshold follows each tensor's own scale. For a block of
+``c`` (after error feedback): ``s = mean |c|`` (the 1-bit scale, same order), ``t = factor
+* s``; an element is ``+`` if ``c > 0 and c >= t``, ``-`` if ``c < 0 and c <= -t``, else 0;
+``v = mean |c|`` over the selected elements (0 when none), decoded ``+v``, ``-v`` or 0, so
+a block sends exactly the magnitude its selected elements hold. Layout, tensor after
+tensor: tensor i's ``ceil(n_i/16)`` uint32 words (its element k in bits 2(k%16) and
+2(k%16)+1 of its word k//16: 0b01 +, 0b10 -, 0b00 zero, padding 0), then ``values``: its
+``ceil(n_i/B)`` float32 after the previous tensors'. About 2 + 32/B bits per element.
+Collectives as 1-bit's (``algorithm``): allgather, or two-phase (compressors/twophase.py).
+
+**Absolute (MXNet's kvstore semantics, ``threshold=T``).** Each value becomes +T if
+c >= T, -T if c <= -T, else 0; 4 values per byte, element j in bits 2*(j % 4)..+1 of byte
+j // 4 (LSB first); ceil(n/4) bytes; T is not sent (the ranks agree on it). Kept for
+MXNet compatibility (``set_gradient_compression({'type': '2bit', 'threshold': 0.5})``):
+an absolute threshold clips every element above T and starves the ones below it, so it
+trains only where T suits every tensor (docs/experiments.md, issue 14). Allgather only.
 """
 import numpy as np
 
 from .. import _core
-from .base import Compressor, kernels
+from .base import Compressor, kernels, tensor_counts
+
+ALGORITHMS = ("auto", "allgather", "twophase")
+TWOPHASE_MIN_ELEMENTS = 1 << 16
+DEFAULT_BLOCK, DEFAULT_FACTOR = 512, 1.0
+
+
+def twobit_sizes(counts, block):
+    """(code words, values) of the scaled 2-bit payload of tensors with these counts."""
+    return (sum((int(c) + 15) // 16 for c in counts), sum(-(-int(c) // block) for c in counts))
+
+
+def _number(x):
+    return not isinstance(x, (bool, np.bool_)) and isinstance(x, (int, float, np.floating, np.integer))
 
 
 class TwoBit(Compressor):
     name = "2bit"
     error_feedback_default = True
     supports_cuda = True
-    OPTIONS = {"threshold": 0.5}
+    OPTIONS = {"threshold": None, "factor": DEFAULT_FACTOR, "block_size": DEFAULT_BLOCK, "algorithm": "auto"}
+    elems_per_word = 16         # the two-phase job's view of the code words
 
     def validate(self):
-        t = self.options["threshold"]
-        if isinstance(t, bool) or not isinstance(t, (int, float, np.floating, np.integer)) \
-                or not np.isfinite(t) or not np.float32(t) > 0:
-            raise ValueError(f"option 'threshold' must be a finite number > 0, got {t!r}")
-        self.options["threshold"] = float(t)
+        o = self.options
+        t, f, b, algo = o["threshold"], o["factor"], o["block_size"], o["algorithm"]
+        if algo not in ALGORITHMS:
+            raise ValueError(f"option 'algorithm' must be one of {', '.join(ALGORITHMS)}, got {algo!r}")
+        if t is not None:
+            if not _number(t) or not np.isfinite(t) or not np.float32(t) > 0:
+                raise ValueError(f"option 'threshold' must be a finite number > 0 (MXNet's absolute "
+                                 f"threshold) or None (the scaled format), got {t!r}")
+            o["threshold"] = float(t)
+            if f != DEFAULT_FACTOR or b != DEFAULT_BLOCK:
+                raise ValueError(f"options 'factor' and 'block_size' belong to the scaled 2-bit format; "
+                                 f"'threshold={t!r}' selects MXNet's absolute format, which has neither "
+                                 f"(got factor={f!r}, block_size={b!r})")
+            if algo == "twophase":
+                raise ValueError("option 'algorithm=\"twophase\"' needs the scaled 2-bit format (per-block "
+                                 f"values); 'threshold={t!r}' selects MXNet's absolute format, allgather only")
+            return
+        if not _number(f) or not np.isfinite(f) or not f >= 0:
+            raise ValueError(f"option 'factor' must be a finite number >= 0 (threshold = factor * the "
+                             f"block's mean |c|), got {f!r}")
+        o["factor"] = float(f)
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 32 or b % 32:
+            raise ValueError(f"option 'block_size' must be a multiple of 32 and >= 32, got {b!r}")
+        o["block_size"] = int(b)
 
-    def payload_layout(self, n):
-        return [(np.dtype(np.uint8), (n + 3) // 4)]
+    @property
+    def absolute(self):
+        """MXNet's absolute-threshold format (``threshold`` given)."""
+        return self.options["threshold"] is not None
+
+    @property
+    def block(self):
+        return self.options["block_size"]
+
+    def algorithm_for(self, n, p):
+        """The collective for a bucket of n elements on p ranks (the same on every rank):
+        1-bit's rule for ``auto``; the absolute format always allgathers."""
+        algo = self.options["algorithm"]
+        if self.absolute:
+            return "allgather"
+        if algo != "auto":
+            return algo
+        return "twophase" if p >= 3 and n >= TWOPHASE_MIN_ELEMENTS else "allgather"
+
+    def bucket_layout(self, ctx):
+        if self.absolute:
+            return [(np.dtype(np.uint8), (ctx.n + 3) // 4)]
+        words, values = twobit_sizes(ctx.counts or (ctx.n,), self.block)
+        return [(np.dtype(np.uint32), words), (np.dtype(np.float32), values)]
+
+    def _parts(self, n, ctx):
+        """(element, word, value) start and (elements, words, values) of every tensor."""
+        w = s = e = 0
+        for m in tensor_counts(ctx, n):
+            nw, ns = (m + 15) // 16, -(-m // self.block)
+            yield e, w, s, m, nw, ns
+            e, w, s = e + m, w + nw, s + ns
 
     def compress(self, c, payloads, ctx):
         empty = np.zeros(0, np.float32)
-        _core.twobit_compress_array(np.ascontiguousarray(c, np.float32), empty, empty,
-                                    self.options["threshold"], payloads[0])
+        c = np.ascontiguousarray(c, np.float32)
+        if self.absolute:
+            _core.twobit_compress_array(c, empty, empty, self.options["threshold"], payloads[0])
+            return
+        for e, w, s, m, nw, ns in self._parts(c.size, ctx):
+            _core.twobit_block_compress_array(c[e:e + m], empty, empty, self.block, self.options["factor"],
+                                              payloads[0][w:w + nw], payloads[1][s:s + ns])
 
     def decompress(self, payloads, n, ctx):
         out = np.empty(n, np.float32)
-        _core.twobit_decompress_sum_array(np.ascontiguousarray(payloads[0]).reshape(1, -1),
-                                          self.options["threshold"], out, 1.0)
+        if self.absolute:
+            _core.twobit_decompress_sum_array(np.ascontiguousarray(payloads[0]).reshape(1, -1),
+                                              self.options["threshold"], out, 1.0)
+            return out
+        codes, values = np.ascontiguousarray(payloads[0]), np.ascontiguousarray(payloads[1])
+        for e, w, s, m, nw, ns in self._parts(n, ctx):
+            _core.twobit_block_decompress_sum_array(codes[w:w + nw].reshape(1, -1), values[s:s + ns].reshape(1, -1),
+                                                    self.block, out[e:e + m], 1.0)
         return out
 
     def compress_table(self, table, e_in, e_out, payloads, ctx):
-        src, off, cnt, lo, hi = table
-        return kernels(ctx).twobit_compress(src, off, cnt, lo, hi, e_in, e_out, self.options["threshold"], payloads[0])
+        return self.block_compress(kernels(ctx), table, e_in, e_out, payloads)
 
     def decompress_sum_table(self, rows, table, divisor, ctx):
-        dst, off, cnt, lo, hi = table
-        kernels(ctx).twobit_decompress_sum(rows[0], self.options["threshold"], dst, off, cnt, lo, hi, divisor)
+        self.block_decompress_sum(kernels(ctx), rows, table, divisor)
         return True
+
+    # --- the fused kernels by format (the two-phase job calls these too) ----------------
+    def block_compress(self, K, table, e_in, e_out, payloads):
+        src, off, cnt, lo, hi = table
+        if self.absolute:
+            return K.twobit_compress(src, off, cnt, lo, hi, e_in, e_out, self.options["threshold"], payloads[0])
+        return K.twobit_block_compress(src, off, cnt, lo, hi, e_in, e_out, self.block, self.options["factor"],
+                                       payloads[0], payloads[1])
+
+    def block_decompress_sum(self, K, rows, table, divisor):
+        dst, off, cnt, lo, hi = table
+        if self.absolute:
+            K.twobit_decompress_sum(rows[0], self.options["threshold"], dst, off, cnt, lo, hi, divisor)
+        else:
+            K.twobit_block_decompress_sum(rows[0], rows[1], self.block, dst, off, cnt, lo, hi, divisor)

@@ -1,15 +1,56 @@
 """The two-phase compressed allreduce (DeepSpeed's scheme): alltoall of worker chunks, a
-server-side residual per chunk, allgather of the recompressed result."""
+server-side residual per chunk, allgather of the recompressed result.
+
+It runs any block format of two payloads (code words, one float32 per block) whose blocks
+restart at every tensor: 1-bit (32 elements per word) and scaled 2-bit (16 per word). A
+compressor tells the job its format through ``block``, ``elems_per_word`` (32 when absent)
+and ``block_compress`` / ``block_decompress_sum`` (1-bit's kernels when absent).
+"""
 import numpy as np
 
 from .exchange import BucketJob, Wire
 from .onebit import BlockLayout
 
 
-class TwoPhaseJob(BucketJob):
-    """1-bit compressed allreduce in two phases (DeepSpeed's scheme, on any p).
+class CodeLayout(BlockLayout):
+    """``BlockLayout`` for code words of ``per_word`` elements (32: 1-bit, 16: 2-bit): the
+    blocks and elements are the same, ``word[b]`` and ``nwords`` count these words."""
 
-    The bucket's 1-bit blocks (per tensor: a tensor's last block may be short) are cut
+    def __init__(self, counts, block, per_word=32):
+        super().__init__(counts, block)
+        self.per_word = per_word
+        if per_word != 32:
+            nb = -(-self.counts // block)
+            nw = -(-self.counts // per_word)
+            t = np.repeat(np.arange(len(self.counts)), nb)
+            kb = np.arange(self.nblocks, dtype=np.int64) - (np.cumsum(nb) - nb)[t]
+            self.word = np.append((np.cumsum(nw) - nw)[t] + kb * (block // per_word), nw.sum()).astype(np.int64)
+            self.nwords = int(nw.sum())
+
+
+def _per_word(comp):
+    return getattr(comp, "elems_per_word", 32)
+
+
+def _compress(comp, K, table, e_in, e_out, payloads):
+    if hasattr(comp, "block_compress"):
+        return comp.block_compress(K, table, e_in, e_out, payloads)
+    ptrs, off, cnt, lo, hi = table
+    return K.onebit_compress(ptrs, off, cnt, lo, hi, e_in, e_out, comp.block, payloads[0], payloads[1])
+
+
+def _decompress_sum(comp, K, rows, table, divisor):
+    if hasattr(comp, "block_decompress_sum"):
+        return comp.block_decompress_sum(K, rows, table, divisor)
+    ptrs, off, cnt, lo, hi = table
+    K.onebit_decompress_sum(rows[0], rows[1], comp.block, ptrs, off, cnt, lo, hi, divisor)
+
+
+class TwoPhaseJob(BucketJob):
+    """Block-format (1-bit, scaled 2-bit) compressed allreduce in two phases (DeepSpeed's
+    scheme, on any p).
+
+    The bucket's blocks (per tensor: a tensor's last block may be short) are cut
     into p chunks of ``cb = ceil(nblocks / p)`` blocks, so chunk edges fall on block
     boundaries of the tensors, and so on word boundaries of the payload (the last chunks
     may be short or empty and are padded). 1) alltoall: rank r receives every rank's chunk
@@ -30,10 +71,11 @@ class TwoPhaseJob(BucketJob):
 
     def geometry(self):
         """The bucket's block layout and chunk size (cached with the job's buffers)."""
-        B, p = self.comp.block, self.comm.size
+        B, p, pw = self.comp.block, self.comm.size, _per_word(self.comp)
         lay = self.cache.get("twophase-layout")
-        if lay is None or lay.n != self.n or tuple(lay.counts) != tuple(self.ctx.counts or (self.n,)):
-            lay = self.cache["twophase-layout"] = BlockLayout(self.ctx.counts or (self.n,), B)
+        if (lay is None or lay.n != self.n or lay.block != B or lay.per_word != pw
+                or tuple(lay.counts) != tuple(self.ctx.counts or (self.n,))):
+            lay = self.cache["twophase-layout"] = CodeLayout(self.ctx.counts or (self.n,), B, pw)
         return B, p, lay, max(1, -(-lay.nblocks // p))
 
     def chunk(self, lay, r):
@@ -44,7 +86,7 @@ class TwoPhaseJob(BucketJob):
     def compress(self):
         B, p, lay, cb = self.geometry()
         n = self.n
-        wire = Wire([(np.dtype(np.uint32), cb * B // 32), (np.dtype(np.float32), cb)])
+        wire = Wire([(np.dtype(np.uint32), cb * B // lay.per_word), (np.dtype(np.float32), cb)])
         key = ("twophase", wire.nbytes, p, n)
         bufs = self.cache.get(key)
         bk = self.bk
@@ -98,10 +140,10 @@ class TwoPhaseJob(BucketJob):
         server_bad = 0
         if e1 > e0:
             ptrs, off, cnt, lo, hi = self._server_table(acc, lay, e0, e1)
-            K.onebit_decompress_sum(rows[0][:, :w1 - w0], rows[1][:, :s1 - s0], B, ptrs, off, cnt, lo, hi,
-                                    self.divisor)
-            server_bad = K.onebit_compress(ptrs, off, cnt, lo, hi, self.state.server_cur, self.state.server_nxt,
-                                           B, sb[:w1 - w0], ss[:s1 - s0])
+            table = (ptrs, off, cnt, lo, hi)
+            _decompress_sum(self.comp, K, [rows[0][:, :w1 - w0], rows[1][:, :s1 - s0]], table, self.divisor)
+            server_bad = _compress(self.comp, K, table, self.state.server_cur, self.state.server_nxt,
+                                   [sb[:w1 - w0], ss[:s1 - s0]])
         worker_flags = bk.host(Wire.header(recv)[:, 0])
         Wire.header(ssend)[0] = int(worker_flags.any()) * (1 << 32) + int(server_bad)
         self.comm.allgather(ssend, srecv)
@@ -124,7 +166,8 @@ class TwoPhaseJob(BucketJob):
             bits[w0:w1] = sb[:w1 - w0]
             scales[s0:s1] = ss[:s1 - s0]
         dst, off, cnt, lo, hi = self.dst
-        self.bk.kernels.onebit_decompress_sum(bits.reshape(1, -1), scales.reshape(1, -1), B, dst, off, cnt, lo, hi, 1.0)
+        _decompress_sum(self.comp, self.bk.kernels, [bits.reshape(1, -1), scales.reshape(1, -1)],
+                        (dst, off, cnt, lo, hi), 1.0)
         self.commit()
 
 

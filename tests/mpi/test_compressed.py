@@ -23,6 +23,9 @@ CASES = [
     ("1bit", {"block_size": 32, "algorithm": "twophase"}),
     ("1bit", {"block_size": 96, "algorithm": "twophase", "error_feedback": False}),
     ("2bit", {"threshold": 0.3}),
+    ("2bit", {"block_size": 64, "algorithm": "allgather"}),
+    ("2bit", {"block_size": 32, "algorithm": "twophase"}),
+    ("2bit", {"block_size": 96, "factor": 0.5, "algorithm": "twophase", "error_feedback": False}),
     ("topk", {"ratio": 0.05}),
     ("randomk", {"ratio": 0.05, "seed": 7}),
     ("1bit", {"error_feedback": False, "algorithm": "allgather"}),
@@ -106,7 +109,7 @@ def test_matches_reference_bit_exactly_and_ranks_agree(world, name, opts, averag
     p = world.size
     pipe = gradfuse.Pipeline(compress=name, fusion_threshold=ONE_BUCKET, average=average, **opts)
     comp = create(name, **opts)
-    algorithm = comp.algorithm_for(0, p) if name == "1bit" else "allgather"
+    algorithm = comp.algorithm_for(0, p) if name in ("1bit", "2bit") else "allgather"
     ref = Reference(comp, p)
     for step in range(3):
         g = grads_for(world.rank, step)
@@ -210,7 +213,8 @@ def test_nonfinite_raises_everywhere_and_keeps_residuals(world, name, bad):
 
 
 @pytest.mark.parametrize("name,opts", [("1bit", {"algorithm": "twophase", "block_size": 32}),
-                                       ("randomk", {"ratio": 0.1}), ("2bit", {})])
+                                       ("randomk", {"ratio": 0.1}), ("2bit", {}),
+                                       ("2bit", {"algorithm": "twophase", "block_size": 32})])
 def test_checkpoint_restore_is_bit_exact(world, name, opts, tmp_path_factory):
     path = f"/tmp/gradfuse-test-ckpt-{world.rank}-{name}.npz"
     a = gradfuse.Pipeline(compress=name, fusion_threshold=512, **opts)
@@ -326,6 +330,7 @@ def test_step_counters_must_agree(world):
 
 
 @pytest.mark.parametrize("name,opts", [("1bit", {}), ("1bit", {"algorithm": "twophase", "block_size": 64}),
+                                       ("2bit", {}), ("2bit", {"algorithm": "twophase", "block_size": 64}),
                                        ("topk", {"ratio": 0.01}), ("randomk", {"ratio": 0.01})])
 def test_fixed_gradient_pipeline_matches_the_simulation(world, name, opts):
     """gradfuse.bench.fixed simulates the ranks in one process with the compressors' fused
@@ -347,4 +352,4 @@ def test_fixed_gradient_pipeline_matches_the_simulation(world, name, opts):
 
 def comp_algorithm(name, opts, p):
     comp = create(name, **opts)
-    return comp.algorithm_for(11961, p) if name == "1bit" else "allgather"
+    return comp.algorithm_for(11961, p) if name in ("1bit", "2bit") else "allgather"
