@@ -15,6 +15,8 @@ COMPRESSORS = [
     ("1bit", {"algorithm": "allgather", "block_size": 64}),
     ("1bit", {"algorithm": "twophase", "block_size": 64}),
     ("2bit", {"threshold": 0.05}),
+    ("2bit", {"algorithm": "allgather", "block_size": 64}),
+    ("2bit", {"algorithm": "twophase", "block_size": 64}),
     ("topk", {"ratio": 0.05}),
     ("randomk", {"ratio": 0.05, "seed": 7}),
 ]

@@ -641,6 +641,120 @@ def test_twobit_decompress_sum(g, n, p, divisor):
         same(a.get(), b)
 
 
+# ------------------------------------------------------------------ scaled 2-bit (per-tensor blocks)
+
+def tbb_sizes(counts, block):
+    return sum(-(-int(c) // 16) for c in counts), sum(-(-int(c) // block) for c in counts)
+
+
+def tbb_cpu(x, e, block, factor, inplace, table_sizes):
+    sizes = table_sizes or [x.size]
+    nw, nb = tbb_sizes(sizes, block)
+    codes, values = np.full(nw, 0xABABABAB, U32), np.full(nb, 7.0, F32)
+    ein = np.zeros(0, F32) if e is None else e.copy()
+    eout = ein if (e is None or inplace) else np.full(x.size, 5.0, F32)
+    if table_sizes is None:
+        bad = core.twobit_block_compress_array(x, ein, eout, block, factor, codes, values)
+    else:
+        arrs = chunks(x, table_sizes)
+        ptrs, offsets, counts = host_table(arrs)
+        bad = core.twobit_block_compress(ptrs, offsets, counts, 0, len(arrs), ein, eout, block, factor,
+                                         codes, values)
+    return codes, values, (None if e is None else eout), bad
+
+
+def tbb_gpu(cp, gpu, x, e, block, factor, inplace, table_sizes):
+    sizes = table_sizes or [x.size]
+    nw, nb = tbb_sizes(sizes, block)
+    codes, values = cp.full(nw, 0xABABABAB, U32), cp.full(nb, 7.0, F32)
+    ein = cp.zeros(0, F32) if e is None else cp.asarray(e)
+    eout = ein if (e is None or inplace) else cp.full(x.size, 5.0, F32)
+    if table_sizes is None:
+        bad = gpu.twobit_block_compress_array(cp.asarray(x), ein, eout, block, factor, codes, values)
+    else:
+        darrs = [cp.asarray(a) for a in chunks(x, table_sizes)]
+        ptrs, offsets, counts = dev_table(darrs)
+        bad = gpu.twobit_block_compress(ptrs, offsets, counts, 0, len(darrs), ein, eout, block, factor,
+                                        codes, values)
+    if e is not None and not inplace:
+        same_bits(ein.get(), e)
+    return codes.get(), values.get(), (None if e is None else eout.get()), bad
+
+
+def check_tbb(cp, gpu, x, e, block, factor, inplace, table_sizes=None):
+    want = tbb_cpu(x, e, block, factor, inplace, table_sizes)
+    got = tbb_gpu(cp, gpu, x, e, block, factor, inplace, table_sizes)
+    same_bits(got[0], want[0])
+    same(got[1], want[1])
+    if e is not None:
+        same(got[2], want[2])
+    assert got[3] == want[3]
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 33, 97, 513, 4097, 65537])
+@pytest.mark.parametrize("block,factor", [(32, 1.0), (64, 0.5), (512, 1.5), (2048, 0.0)])
+def test_twobit_block_compress_random(g, n, block, factor):
+    cp, gpu = g
+    x = gen(n, n + 25)
+    e = gen(n, n + 26) * F32(0.1)
+    for ee, inplace in [(None, True), (e, True), (e, False)]:
+        check_tbb(cp, gpu, x, ee, block, factor, inplace)
+
+
+@pytest.mark.parametrize("kind", ["zero", "negzero", "special", "nonfinite", "bits"])
+@pytest.mark.parametrize("n", [1, 5, 33, 1009])
+def test_twobit_block_compress_special(g, kind, n):
+    cp, gpu = g
+    x = gen(n, 41 + n, kind)
+    e = gen(n, 42 + n, kind if kind != "bits" else "special")
+    for block, factor in [(32, 1.0), (512, 0.7)]:
+        check_tbb(cp, gpu, x, e, block, factor, inplace=False)
+        check_tbb(cp, gpu, x, None, block, factor, inplace=True)
+
+
+@pytest.mark.parametrize("n", [1, 97, 4097, 300001])
+def test_twobit_block_compress_table(g, n):
+    cp, gpu = g
+    x = gen(n, n + 31)
+    e = gen(n, n + 32) * F32(0.1)
+    sizes = split_sizes(n, n + 33)
+    for block in (32, 512):
+        check_tbb(cp, gpu, x, e, block, 1.0, inplace=False, table_sizes=sizes)
+        check_tbb(cp, gpu, x, e, block, 1.0, inplace=True, table_sizes=sizes)
+        check_tbb(cp, gpu, x, None, block, 1.0, inplace=True, table_sizes=sizes)
+
+
+@pytest.mark.parametrize("n", [0, 1, 17, 97, 4097, 300001])
+@pytest.mark.parametrize("p", [1, 2, 5])
+@pytest.mark.parametrize("divisor", [1.0, 3.0, 8.0, 7.1])
+def test_twobit_block_decompress_sum(g, n, p, divisor):
+    cp, gpu = g
+    block = 64
+    rng = np.random.default_rng(n * 5 + p)
+    sizes = split_sizes(n, n + p + 1)
+    nw, nb = tbb_sizes(sizes, block)
+    codes = rng.integers(0, 1 << 32, (p, nw), dtype=np.uint64).astype(U32)       # 0b11 too
+    values = (rng.standard_normal((p, nb)) * 3).astype(F32)
+    outs_c = [np.full(s, 3.0, F32) for s in sizes]
+    pc, oc, cc = host_table(outs_c)
+    core.twobit_block_decompress_sum(codes, values, block, pc, oc, cc, 0, len(sizes), divisor)
+    outs_g = [cp.full(s, 3.0, F32) for s in sizes]
+    pg, og, cg = dev_table(outs_g)
+    gpu.twobit_block_decompress_sum(cp.asarray(codes), cp.asarray(values), block, pg, og, cg, 0, len(sizes),
+                                    divisor)
+    for a, b in zip(outs_g, outs_c):
+        same(a.get(), b)
+    nw1, nb1 = tbb_sizes([n], block)
+    c1, v1 = codes[:, :nw1] if nw1 <= nw else None, values[:, :nb1] if nb1 <= nb else None
+    if c1 is not None and v1 is not None:
+        want = np.full(n, 9.0, F32)
+        core.twobit_block_decompress_sum_array(np.ascontiguousarray(c1), np.ascontiguousarray(v1), block, want,
+                                               divisor)
+        got = cp.full(n, 9.0, F32)
+        gpu.twobit_block_decompress_sum_array(cp.asarray(c1), cp.asarray(v1), block, got, divisor)
+        same(got.get(), want)
+
+
 # ------------------------------------------------------------------ validation (no device work)
 
 def test_validation_errors(g):

@@ -37,7 +37,9 @@ from .launch import OB_WARPS, THREADS, Resident, divisor_mode, resident
 from .packing import div_f32, pack, unpack, unpack_div_f32
 from .cast import cast_from16, cast_to16, pack_cast, sum16, unpack_cast
 from .onebit import onebit_compress, onebit_compress_array, onebit_decompress_sum, onebit_decompress_sum_array
-from .twobit import twobit_compress, twobit_compress_array, twobit_decompress_sum, twobit_decompress_sum_array
+from .twobit import (twobit_block_compress, twobit_block_compress_array, twobit_block_decompress_sum,
+                     twobit_block_decompress_sum_array, twobit_compress, twobit_compress_array,
+                     twobit_decompress_sum, twobit_decompress_sum_array)
 from .sparse import (randomk_compress, randomk_compress_array, randomk_indices, sparse_decompress_sum,
                      sparse_decompress_sum_array, topk_compress, topk_compress_array)
 from .momentum import momentum_mask, momentum_update
@@ -54,6 +56,8 @@ __all__ = [
     "cast_from16", "cast_to16", "pack_cast", "sum16", "unpack_cast",
     "onebit_compress", "onebit_compress_array", "onebit_decompress_sum", "onebit_decompress_sum_array",
     "twobit_compress", "twobit_compress_array", "twobit_decompress_sum", "twobit_decompress_sum_array",
+    "twobit_block_compress", "twobit_block_compress_array", "twobit_block_decompress_sum",
+    "twobit_block_decompress_sum_array",
     "randomk_compress", "randomk_compress_array", "randomk_indices", "sparse_decompress_sum",
     "sparse_decompress_sum_array", "topk_compress", "topk_compress_array",
     "momentum_mask", "momentum_update",

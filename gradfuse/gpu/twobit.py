@@ -1,10 +1,19 @@
-"""Wrappers of ``cuda/twobit.cu``: 2-bit threshold compress with error feedback and
-decompress-and-sum, as ``_core.twobit_compress(_array)`` and
-``_core.twobit_decompress_sum(_array)``."""
+"""Wrappers of ``cuda/twobit.cu``: 2-bit compress with error feedback and
+decompress-and-sum in both formats, as ``_core.twobit_compress(_array)`` /
+``_core.twobit_decompress_sum(_array)`` (MXNet's absolute threshold) and
+``_core.twobit_block_*`` (the scaled format, per-tensor blocks)."""
 import numpy as np
 
-from .launch import (_F32, _I64, _arr, _bad_result, _counter, _grid_flat, _grid_rows, _launch, _ptr,
-                     _residuals, _rows, _table, divisor_mode)
+from .launch import (OB_WARPS, _F32, _I64, _arr, _bad_result, _counter, _grid_flat, _grid_rows, _host,
+                     _launch, _memo, _ptr, _residuals, _rows, _table, divisor_mode)
+from .loader import cupy
+
+
+def _block(block, who):
+    block = int(block)
+    if block < 32 or block % 32:
+        raise ValueError(f"{who}: block size must be a multiple of 32 and >= 32, got {block}")
+    return block
 
 
 def _threshold(t, who):
@@ -72,3 +81,110 @@ def twobit_decompress_sum_array(codes, threshold, out, divisor):
     if out.size:
         _launch("gf_twobit_decompress_sum_array", _grid_flat(out.size),
                 args + (out, _I64(out.size), mode, f))
+
+
+# ------------------------------------------------------------------ scaled 2-bit
+# The default format (per-tensor blocks, a value per block): twins of
+# ``_core.twobit_block_*``. Table kernels take the rows' block and word prefix sums.
+
+def _factor(factor, who):
+    f = _F32(factor)
+    if not (f >= 0) or not np.isfinite(f):
+        raise ValueError(f"{who}: factor must be finite and >= 0 as a float32, got {factor}")
+    return f
+
+
+def _tbb_layout(counts, lo, hi, block):
+    """(bstart, wstart on the device, total blocks, total words) of rows lo..hi-1."""
+    def make():
+        c = np.asarray(_host(counts[lo:hi]), np.int64)
+        bs = np.concatenate([[0], np.cumsum(-(-c // block))]).astype(np.int64)
+        ws = np.concatenate([[0], np.cumsum((c + 15) // 16)]).astype(np.int64)
+        cp = cupy()
+        return cp.asarray(bs), cp.asarray(ws), int(bs[-1]), int(ws[-1])
+    return _memo(counts, ("twobit-block", int(lo), int(hi), block), make)
+
+
+def _tbb_compress(who, src_args, layout, n, e_in, e_out, block, factor, codes, values, count_out):
+    f = _factor(factor, who)
+    e_in, e_out = _residuals(who, e_in, e_out, n)
+    _arr(codes, np.uint32, "codes", who)
+    _arr(values, _F32, "values", who)
+    if layout is None:
+        nwords, nblocks = -(-n // 16), -(-n // block)
+    else:
+        nblocks, nwords = layout[2], layout[3]
+    if codes.size != nwords:
+        raise ValueError(f"{who}: codes must have {nwords} words (the sum over the tensors of ceil(n_i/16)), "
+                         f"got {codes.size}")
+    if values.size != nblocks:
+        raise ValueError(f"{who}: values must have {nblocks} floats (the sum over the tensors of "
+                         f"ceil(n_i/block)), got {values.size}")
+    bad, owned = _counter(count_out, 1, who)
+    if n:
+        grid = (-(-nblocks // OB_WARPS),)
+        if layout is None:
+            _launch("gf_twobit_block_compress_array", grid,
+                    src_args + (_I64(n), _ptr(e_in), _ptr(e_out), _I64(block), f, codes, values, bad))
+        else:
+            _launch("gf_twobit_block_compress_table", grid,
+                    src_args + (layout[0], layout[1], _I64(nblocks), _ptr(e_in), _ptr(e_out), _I64(block), f,
+                                codes, values, bad))
+    return _bad_result(bad, owned)
+
+
+def twobit_block_compress(ptrs, offsets, counts, lo, hi, e_in, e_out, block, factor, codes, values,
+                          count_out=None):
+    """Scaled 2-bit compress with error feedback over table rows lo..hi-1 (dense offsets),
+    blocks per tensor, as ``_core.twobit_block_compress``; returns the number of blocks
+    whose mean |c| is not finite."""
+    who = "twobit_block_compress"
+    block = _block(block, who)
+    (p, o, c), n, _ = _table(who, ptrs, offsets, counts, lo, hi, dense=True)
+    layout = _tbb_layout(counts, lo, hi, block) if n else (None, None, 0, 0)
+    return _tbb_compress(who, (p, o, c, _I64(lo), _I64(hi)), layout, n, e_in, e_out, block, factor,
+                         codes, values, count_out)
+
+
+def twobit_block_compress_array(x, e_in, e_out, block, factor, codes, values, count_out=None):
+    """``twobit_block_compress`` of one contiguous float32 cupy array (one tensor)."""
+    who = "twobit_block_compress_array"
+    block = _block(block, who)
+    _arr(x, _F32, "x", who)
+    return _tbb_compress(who, (x,), None, x.size, e_in, e_out, block, factor, codes, values, count_out)
+
+
+def _tbb_decompress(who, codes, values, block, nwords, nblocks, divisor):
+    mode, f = divisor_mode(divisor, who)
+    p = codes.shape[0] if getattr(codes, "ndim", 0) == 2 else 0
+    if p < 1:
+        raise ValueError(f"{who}: need at least one payload row (codes of shape (p, words))")
+    if values.shape[0] != p:
+        raise ValueError(f"{who}: codes has {p} rows but values has {values.shape[0]}")
+    cs = _rows(codes, np.uint32, "codes", who, nwords)
+    vs = _rows(values, _F32, "values", who, nblocks)
+    return (codes, cs, values, vs, _I64(p), _I64(block)), mode, f
+
+
+def twobit_block_decompress_sum(codes, values, block, ptrs, offsets, counts, lo, hi, divisor):
+    """Decode p scaled 2-bit payloads (row r = rank r), sum in rank order from v_0, divide,
+    write into table rows lo..hi-1, as ``_core.twobit_block_decompress_sum``."""
+    who = "twobit_block_decompress_sum"
+    block = _block(block, who)
+    (tp, to, tc), n, mx = _table(who, ptrs, offsets, counts, lo, hi, dense=True)
+    layout = _tbb_layout(counts, lo, hi, block) if n else (None, None, 0, 0)
+    args, mode, f = _tbb_decompress(who, codes, values, block, layout[3], layout[2], divisor)
+    if n:
+        _launch("gf_twobit_block_decompress_sum_table", _grid_rows(hi - lo, mx),
+                args + (tp, tc, _I64(lo), _I64(hi), layout[0], layout[1], mode, f))
+
+
+def twobit_block_decompress_sum_array(codes, values, block, out, divisor):
+    """``twobit_block_decompress_sum`` into one contiguous float32 cupy array (n = out.size)."""
+    who = "twobit_block_decompress_sum_array"
+    block = _block(block, who)
+    _arr(out, _F32, "out", who)
+    n = out.size
+    args, mode, f = _tbb_decompress(who, codes, values, block, -(-n // 16), -(-n // block), divisor)
+    if n:
+        _launch("gf_twobit_block_decompress_sum_array", _grid_flat(n), args + (out, _I64(n), mode, f))
