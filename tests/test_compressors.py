@@ -9,6 +9,7 @@ from gradfuse.bench import fixed
 from gradfuse.compressors import Compressor, create
 
 LOSSY = [("fp16", {}), ("bf16", {}), ("1bit", {"block_size": 64}), ("2bit", {"threshold": 0.2}),
+         ("2bit", {}), ("2bit", {"block_size": 64, "factor": 0.5}),
          ("topk", {"ratio": 0.1}), ("randomk", {"ratio": 0.1, "seed": 3}),
          ("fp16", {"error_feedback": True}), ("1bit", {"error_feedback": False})]
 
@@ -136,6 +137,16 @@ def test_registry_and_errors():
         create("topk", ratio=0)
     with pytest.raises(ValueError, match="'threshold' must be a finite number > 0"):
         create("2bit", threshold=-1)
+    with pytest.raises(ValueError, match="'factor' must be a finite number >= 0"):
+        create("2bit", factor=-0.5)
+    with pytest.raises(ValueError, match="'block_size' must be a multiple of 32"):
+        create("2bit", block_size=40)
+    with pytest.raises(ValueError, match="'factor' and 'block_size' belong to the scaled 2-bit format"):
+        create("2bit", threshold=0.5, block_size=64)
+    with pytest.raises(ValueError, match="needs the scaled 2-bit format"):
+        create("2bit", threshold=0.5, algorithm="twophase")
+    with pytest.raises(ValueError, match="'algorithm' must be one of auto, allgather, twophase"):
+        create("2bit", algorithm="ring")
     with pytest.raises(TypeError, match="'error_feedback' must be True or False"):
         create("2bit", error_feedback="yes")
     with pytest.raises(ValueError, match="warmup_steps"):
@@ -186,3 +197,21 @@ def test_user_compressor_through_the_pipeline():
         compressors.registry._REGISTRY.pop("signsgd", None)
     with pytest.raises(TypeError, match="not a gradfuse.compressors.Compressor subclass"):
         gradfuse.register_compressor("bad", dict)
+
+
+def test_twobit_formats_and_algorithms():
+    """The scaled format is the default (a value per per-tensor block on the wire); a
+    threshold selects MXNet's absolute format (codes only, allgather); ``auto`` follows
+    1-bit's rule."""
+    from gradfuse.compressors import BucketContext
+    ctx = BucketContext(counts=(1000, 37))
+    scaled = create("2bit")
+    assert not scaled.absolute and scaled.get_config()["threshold"] is None
+    assert [(d.str, c) for d, c in scaled.bucket_layout(ctx)] == [("<u4", 63 + 3), ("<f4", 2 + 1)]
+    assert create(**scaled.get_config()).get_config() == scaled.get_config()
+    mx = create("2bit", threshold=0.5)
+    assert mx.absolute and [(d.str, c) for d, c in mx.bucket_layout(ctx)] == [("|u1", 260)]
+    assert mx.algorithm_for(1 << 20, 8) == "allgather"
+    assert scaled.algorithm_for(1 << 16, 3) == "twophase" and scaled.algorithm_for(1 << 16, 2) == "allgather"
+    assert scaled.algorithm_for((1 << 16) - 1, 3) == "allgather"
+    assert create("2bit", algorithm="twophase").algorithm_for(10, 2) == "twophase"
