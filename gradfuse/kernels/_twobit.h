@@ -67,6 +67,66 @@ static void gf_tbb_emit(const float* c, int64_t cnt, float t, float v, uint32_t*
     }
 }
 
+#if GF_Q_HAVE_AVX2
+/* gf_tbb_total(c, npad, t, 0, nsel) on AVX2: the 32 lanes are 4 vectors of 8, the tree is
+ * gf_ob_scale_avx2's (docs/compressors.md); unselected lanes add +0.0f, as the scalar's. */
+GF_Q_AVX2 static float gf_tbb_selsum_avx2(const float* c, int64_t npad, float t, int64_t* nsel)
+{
+    const __m256 absm = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 z = _mm256_setzero_ps(), vt = _mm256_set1_ps(t), vn = _mm256_set1_ps(-t);
+    __m256 a[4] = {z, z, z, z};
+    int64_t ns = 0;
+    for (int64_t i = 0; i < npad; i += 32)
+        for (int q = 0; q < 4; q++) {
+            __m256 x = _mm256_loadu_ps(c + i + 8 * q);
+            __m256 pos = _mm256_and_ps(_mm256_cmp_ps(x, z, _CMP_GT_OQ), _mm256_cmp_ps(x, vt, _CMP_GE_OQ));
+            __m256 neg = _mm256_and_ps(_mm256_cmp_ps(x, z, _CMP_LT_OQ), _mm256_cmp_ps(x, vn, _CMP_LE_OQ));
+            __m256 sel = _mm256_or_ps(pos, neg);
+            ns += __builtin_popcount((unsigned)_mm256_movemask_ps(sel));
+            a[q] = _mm256_add_ps(a[q], _mm256_and_ps(sel, _mm256_and_ps(x, absm)));
+        }
+    __m256 a0 = _mm256_add_ps(a[0], a[2]);        /* off 16 */
+    __m256 a1 = _mm256_add_ps(a[1], a[3]);
+    a0 = _mm256_add_ps(a0, a1);                   /* off 8 */
+    __m128 l = _mm_add_ps(_mm256_castps256_ps128(a0), _mm256_extractf128_ps(a0, 1)); /* 4 */
+    l = _mm_add_ps(l, _mm_movehl_ps(l, l));       /* off 2 */
+    l = _mm_add_ss(l, _mm_shuffle_ps(l, l, 1));   /* off 1 */
+    *nsel = ns;
+    return _mm_cvtss_f32(l);
+}
+
+/* gf_tbb_emit on AVX2; c is zero padded to a multiple of 32 (padding is never selected). */
+GF_Q_AVX2 static void gf_tbb_emit_avx2(const float* c, int64_t cnt, float t, float v, uint32_t* w, float* e)
+{
+    const __m256 z = _mm256_setzero_ps(), vt = _mm256_set1_ps(t), vnt = _mm256_set1_ps(-t);
+    const __m256 vv = _mm256_set1_ps(v), vnv = _mm256_set1_ps(-v);
+    for (int64_t i = 0; i < cnt; i += 16) {
+        uint32_t pm = 0, nm = 0;
+        for (int q = 0; q < 2; q++) {
+            int64_t o = i + 8 * q;
+            __m256 x = _mm256_loadu_ps(c + o);
+            __m256 pos = _mm256_and_ps(_mm256_cmp_ps(x, z, _CMP_GT_OQ), _mm256_cmp_ps(x, vt, _CMP_GE_OQ));
+            __m256 neg = _mm256_and_ps(_mm256_cmp_ps(x, z, _CMP_LT_OQ), _mm256_cmp_ps(x, vnt, _CMP_LE_OQ));
+            pm |= (uint32_t)gf_tb_spread[_mm256_movemask_ps(pos)] << (16 * q);
+            nm |= (uint32_t)gf_tb_spread[_mm256_movemask_ps(neg)] << (16 * q);
+            if (e && o < cnt) {
+                __m256 qv = _mm256_or_ps(_mm256_and_ps(pos, vv), _mm256_and_ps(neg, vnv));
+                __m256 r = _mm256_sub_ps(x, qv);
+                if (o + 8 <= cnt) {
+                    _mm256_storeu_ps(e + o, r);
+                } else {
+                    float tmp[8];
+                    _mm256_storeu_ps(tmp, r);
+                    memcpy(e + o, tmp, (size_t)(cnt - o) * sizeof(float));
+                }
+            }
+        }
+        /* element k of the 16: pos bit at 2k, neg bit at 2k+1 */
+        w[i >> 4] = pm | (nm << 1);          /* element k: + at bit 2k, - at bit 2k + 1 */
+    }
+}
+#endif
+
 /* One pass over rows lo..hi-1 of the table, blocks per tensor. e_in/e_out NULL: no error
  * feedback (else indexed by bucket position; may be the same array). Returns the number
  * of blocks whose mean |c| is not finite, or -1 on allocation failure. */
@@ -80,6 +140,7 @@ static int64_t gf_twobit_block_compress(const int64_t* ptrs, const int64_t* coun
     float* stage = gf_q_alloc(bsz);
     if (!stage) return -1;
     int64_t bad = 0, pos = 0, w = 0, b = 0;
+    int avx = GF_Q_HAVE_AVX2 && gf_use_avx2;
     for (int64_t row = lo; row < hi; row++) {
         int64_t m = counts[row];
         if (m <= 0) continue;
@@ -89,7 +150,7 @@ static int64_t gf_twobit_block_compress(const int64_t* ptrs, const int64_t* coun
             int64_t npad = (cnt + 31) & ~(int64_t)31;
             if (e_in) {
 #if GF_Q_HAVE_AVX2
-                if (gf_use_avx2) gf_q_add_avx2(stage, g + k, e_in + pos + k, cnt);
+                if (avx) gf_q_add_avx2(stage, g + k, e_in + pos + k, cnt);
                 else
 #endif
                 gf_q_add_scalar(stage, g + k, e_in + pos + k, cnt);
@@ -97,12 +158,26 @@ static int64_t gf_twobit_block_compress(const int64_t* ptrs, const int64_t* coun
                 gf_q_copy(stage, g + k, cnt);
             }
             for (int64_t q = cnt; q < npad; q++) stage[q] = 0.0f;
-            float s = gf_tbb_total(stage, npad, 0.0f, 1, NULL) / (float)cnt;
-            float t = s * factor;
+            float s, t, tot, v;
             int64_t nsel = 0;
-            float tot = gf_tbb_total(stage, npad, t, 0, &nsel);
-            float v = nsel ? tot / (float)nsel : 0.0f;
-            gf_tbb_emit(stage, cnt, t, v, codes + w + (k >> 4), e_out ? e_out + pos + k : NULL);
+            uint32_t* wb = codes + w + (k >> 4);
+            float* eo = e_out ? e_out + pos + k : NULL;
+#if GF_Q_HAVE_AVX2
+            if (avx) {
+                s = gf_ob_scale_avx2(stage, npad, cnt);      /* 1-bit's scale, the same order */
+                t = s * factor;
+                tot = gf_tbb_selsum_avx2(stage, npad, t, &nsel);
+                v = nsel ? tot / (float)nsel : 0.0f;
+                gf_tbb_emit_avx2(stage, cnt, t, v, wb, eo);
+            } else
+#endif
+            {
+                s = gf_tbb_total(stage, npad, 0.0f, 1, NULL) / (float)cnt;
+                t = s * factor;
+                tot = gf_tbb_total(stage, npad, t, 0, &nsel);
+                v = nsel ? tot / (float)nsel : 0.0f;
+                gf_tbb_emit(stage, cnt, t, v, wb, eo);
+            }
             values[b] = v;
             if (!(fabsf(s) < INFINITY)) bad++;
         }
@@ -113,6 +188,43 @@ static int64_t gf_twobit_block_compress(const int64_t* ptrs, const int64_t* coun
     return bad;
 }
 
+/* acc[0..cnt) (=|+=) the decoded values of one block of one rank (codes 1 -> +v, 2 -> -v,
+ * 0 and 3 -> +0). first: assign. */
+static void gf_tbb_decode_scalar(const uint32_t* wr, float v, int64_t cnt, float* acc, int first)
+{
+    const float tab[4] = {0.0f, v, -v, 0.0f};
+    for (int64_t i = 0; i < cnt; i += 16) {
+        int64_t m = cnt - i < 16 ? cnt - i : 16;
+        uint32_t word = wr[i >> 4];
+        float* a = acc + i;
+        if (first)
+            for (int64_t k = 0; k < m; k++) a[k] = tab[(word >> (2 * k)) & 3u];
+        else
+            for (int64_t k = 0; k < m; k++) a[k] = a[k] + tab[(word >> (2 * k)) & 3u];
+    }
+}
+
+#if GF_Q_HAVE_AVX2
+GF_Q_AVX2 static void gf_tbb_decode_avx2(const uint32_t* wr, float v, int64_t cnt, float* acc, int first)
+{
+    const __m256 tab = _mm256_setr_ps(0.0f, v, -v, 0.0f, 0.0f, v, -v, 0.0f);
+    const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    int64_t k = 0;
+    for (; k + 8 <= cnt; k += 8) {
+        uint32_t bits16 = (wr[k >> 4] >> (2 * (k & 15))) & 0xffffu;
+        __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32((int)bits16), sh);   /* low 2 bits select */
+        __m256 x = _mm256_permutevar_ps(tab, idx);
+        if (!first) x = _mm256_add_ps(_mm256_loadu_ps(acc + k), x);
+        _mm256_storeu_ps(acc + k, x);
+    }
+    const float t4[4] = {0.0f, v, -v, 0.0f};
+    for (; k < cnt; k++) {
+        float x = t4[(wr[k >> 4] >> (2 * (k & 15))) & 3u];
+        acc[k] = first ? x : acc[k] + x;
+    }
+}
+#endif
+
 /* codes: p rows of `cstride` words, values: p rows of `vstride` floats, in the layout of
  * gf_twobit_block_compress for the same table counts. Returns 0. */
 static int gf_twobit_block_decompress_sum(const uint32_t* codes, int64_t cstride,
@@ -121,6 +233,7 @@ static int gf_twobit_block_decompress_sum(const uint32_t* codes, int64_t cstride
                                           int64_t lo, int64_t hi, int64_t n, double divisor)
 {
     if (n <= 0) return 0;
+    int avx = GF_Q_HAVE_AVX2 && gf_use_avx2;
     int64_t w = 0, b = 0;
     for (int64_t row = lo; row < hi; row++) {
         int64_t m = counts[row];
@@ -130,13 +243,12 @@ static int gf_twobit_block_decompress_sum(const uint32_t* codes, int64_t cstride
             int64_t cnt = m - k < block ? m - k : block;
             for (int64_t r = 0; r < p; r++) {
                 const uint32_t* wr = codes + r * cstride + w + (k >> 4);
-                float v = values[r * vstride + b], nv = -v;
-                float* a = d + k;
-                for (int64_t j = 0; j < cnt; j++) {
-                    uint32_t code = (wr[j >> 4] >> (2 * (j & 15))) & 3u;
-                    float x = code == 1u ? v : (code == 2u ? nv : 0.0f);
-                    a[j] = r == 0 ? x : a[j] + x;
-                }
+                float v = values[r * vstride + b];
+#if GF_Q_HAVE_AVX2
+                if (avx) gf_tbb_decode_avx2(wr, v, cnt, d + k, r == 0);
+                else
+#endif
+                gf_tbb_decode_scalar(wr, v, cnt, d + k, r == 0);
             }
             gf_q_divide(d + k, cnt, divisor);
         }
