@@ -691,8 +691,8 @@ def check_tbb(cp, gpu, x, e, block, factor, inplace, table_sizes=None):
     assert got[3] == want[3]
 
 
-@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 31, 33, 97, 513, 4097, 65537])
-@pytest.mark.parametrize("block,factor", [(32, 1.0), (64, 0.5), (512, 1.5), (2048, 0.0)])
+@pytest.mark.parametrize("n", [0, 1, 17, 33, 513, 4097, 65537])
+@pytest.mark.parametrize("block,factor", [(32, 1.0), (64, 0.5), (512, 1.5)])
 def test_twobit_block_compress_random(g, n, block, factor):
     cp, gpu = g
     x = gen(n, n + 25)
@@ -702,7 +702,7 @@ def test_twobit_block_compress_random(g, n, block, factor):
 
 
 @pytest.mark.parametrize("kind", ["zero", "negzero", "special", "nonfinite", "bits"])
-@pytest.mark.parametrize("n", [1, 5, 33, 1009])
+@pytest.mark.parametrize("n", [5, 1009])
 def test_twobit_block_compress_special(g, kind, n):
     cp, gpu = g
     x = gen(n, 41 + n, kind)
@@ -712,7 +712,7 @@ def test_twobit_block_compress_special(g, kind, n):
         check_tbb(cp, gpu, x, None, block, factor, inplace=True)
 
 
-@pytest.mark.parametrize("n", [1, 97, 4097, 300001])
+@pytest.mark.parametrize("n", [97, 4097, 300001])
 def test_twobit_block_compress_table(g, n):
     cp, gpu = g
     x = gen(n, n + 31)
@@ -724,9 +724,9 @@ def test_twobit_block_compress_table(g, n):
         check_tbb(cp, gpu, x, None, block, 1.0, inplace=True, table_sizes=sizes)
 
 
-@pytest.mark.parametrize("n", [0, 1, 17, 97, 4097, 300001])
-@pytest.mark.parametrize("p", [1, 2, 5])
-@pytest.mark.parametrize("divisor", [1.0, 3.0, 8.0, 7.1])
+@pytest.mark.parametrize("n", [0, 17, 4097, 300001])
+@pytest.mark.parametrize("p", [1, 3])
+@pytest.mark.parametrize("divisor", [1.0, 8.0, 7.1])
 def test_twobit_block_decompress_sum(g, n, p, divisor):
     cp, gpu = g
     block = 64
