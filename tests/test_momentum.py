@@ -17,6 +17,7 @@ import gradfuse  # noqa: E402
 import gradfuse._core as core  # noqa: E402
 from gradfuse.comm import SingleProcessCommunicator  # noqa: E402
 from gradfuse.compressors import create  # noqa: E402
+from gradfuse.compressors.base import BucketContext  # noqa: E402
 from gradfuse.compressors.momentum import warmup_ratio  # noqa: E402
 
 F32 = np.float32
@@ -160,6 +161,21 @@ def bucket_names(pipe):
             for b in plan.buckets}
 
 
+def sends_velocity(comp, nesterov):
+    """1-bit's ``velocity="sent"`` (its default, SGD's correction): the velocity becomes the
+    decoded payload this rank sent."""
+    return comp.name == "1bit" and comp.options["velocity"] == "sent" and not nesterov
+
+
+def own_decode(comp, c, counts):
+    """What a receiver decodes from this rank's payload of ``c`` (the compressor's plain
+    methods, which the fused kernels match bit for bit)."""
+    ctx = BucketContext(counts=counts)
+    payloads = [np.zeros(n, dt) for dt, n in comp.bucket_layout(ctx)]
+    comp.compress(c, payloads, ctx)
+    return comp.decompress(payloads, c.size, ctx)
+
+
 def dgc_reference(name, opts, nesterov=False, masking=None, steps=5, threshold=300, comm=None, rank=0,
                   warmup=0, feed=None):
     """DGC written out: this rank's velocity by hand (ref_momentum), fed to the same
@@ -175,6 +191,16 @@ def dgc_reference(name, opts, nesterov=False, masking=None, steps=5, threshold=3
             u[k], x[k] = ref.momentum_update(v, u.get(k, np.zeros_like(v)), 0.9, 0.9 if nesterov else 0.0)
         before = {key: b["residual"] for key, b in plain.state_dict()["buckets"].items()}
         outs.append(plain.allreduce(x))
+        if sends_velocity(comp, nesterov) and step >= warmup:
+            for key, names in bucket_names(plain).items():
+                e_in = before.get(key)
+                flat_x = np.concatenate([x[k] for k in names])
+                c = np.add(flat_x, e_in if e_in is not None else np.zeros_like(flat_x), dtype=F32)
+                sent = own_decode(comp, c, tuple(g[k].size for k in names))
+                pos = 0
+                for k in names:
+                    u[k] = sent[pos:pos + g[k].size]
+                    pos += g[k].size
         if mask and step >= warmup:
             res = plain.state_dict()["buckets"]
             for key, names in bucket_names(plain).items():
