@@ -371,6 +371,37 @@ def test_sparsity_warmup_sends_the_stage_k(comm, name, tmp_path):
     assert pipe2.compressor.get_config()["sparsity_warmup"] == 6
 
 
+@pytest.mark.parametrize("algorithm", ["allgather", "twophase"])
+def test_onebit_velocity_is_what_was_sent(comm, algorithm):
+    """1bit, velocity="sent" (default): after a step the velocity is this rank's decoded
+    payload (residual = c - velocity, in real arithmetic); "local" keeps DGC's u = m*u + g;
+    Nesterov keeps DGC's form too."""
+    g = grads(0)
+    flat = np.concatenate([v for v in g.values() if v.size])
+    kw = dict(compress="1bit", momentum=0.9, comm=comm, fusion_threshold=1 << 20, block_size=64, algorithm=algorithm)
+    sent, local = gradfuse.Pipeline(**kw), gradfuse.Pipeline(velocity="local", **kw)
+    nag = gradfuse.Pipeline(nesterov=True, **kw)
+    for pipe in (sent, local, nag):
+        pipe.allreduce(g)
+    (b_sent,), (b_local,), (b_nag,) = (p.state_dict()["buckets"].values() for p in (sent, local, nag))
+    counts = tuple(v.size for v in g.values())
+    want = own_decode(create("1bit", block_size=64), flat, counts)
+    assert bits(b_sent["velocity"]) == bits(want)
+    assert np.allclose(b_sent["velocity"] + b_sent["residual"], flat, rtol=1e-6, atol=1e-6)
+    assert bits(b_local["velocity"]) == bits(flat) and bits(b_nag["velocity"]) == bits(flat)
+    assert bits(b_local["residual"]) == bits(b_sent["residual"])
+    # the next step starts from the sent velocity: u = 0.9 * decode(sent) + g
+    g1 = grads(1)
+    sent.allreduce(g1)
+    (b1,) = sent.state_dict()["buckets"].values()
+    flat1 = np.concatenate([v for v in g1.values() if v.size])
+    u1, _ = ref.momentum_update(flat1, want, 0.9)
+    c1 = np.add(u1, b_sent["residual"], dtype=F32)
+    assert bits(b1["velocity"]) == bits(own_decode(create("1bit", block_size=64), c1, counts))
+    with pytest.raises(ValueError, match="option 'velocity' must be one of sent, local, got 'dgc'"):
+        create("1bit", momentum=0.9, velocity="dgc")
+
+
 # ------------------------------------------------------------------ options, config, non-finite
 
 def test_options_and_errors():
