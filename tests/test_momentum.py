@@ -179,7 +179,8 @@ def own_decode(comp, c, counts):
 def dgc_reference(name, opts, nesterov=False, masking=None, steps=5, threshold=300, comm=None, rank=0,
                   warmup=0, feed=None):
     """DGC written out: this rank's velocity by hand (ref_momentum), fed to the same
-    compressor without momentum (error feedback on), masked where its residual was cleared."""
+    compressor without momentum (error feedback on), masked where its residual was cleared
+    (1-bit: set to this rank's decoded payload, ``velocity="sent"``)."""
     plain = gradfuse.Pipeline(compress=name, comm=comm, fusion_threshold=threshold, warmup_steps=warmup, **opts)
     comp = plain.compressor
     mask = (("ratio" in comp.options) and comp.error_feedback) if masking is None else masking
