@@ -411,6 +411,8 @@ def test_options_and_errors():
     assert cfg["momentum"] == 0.9 and cfg["nesterov"] is True and cfg["momentum_masking"] is False
     assert create(cfg).get_config() == cfg
     assert "momentum" not in create("1bit").get_config()
+    assert "velocity" not in create("1bit").get_config()          # the config of before, without momentum
+    assert create("1bit", momentum=0.9).get_config()["velocity"] == "sent"
     assert create("none", momentum=0.5).get_config() == {"name": "none", "momentum": 0.5, "nesterov": False,
                                                          "momentum_masking": False}
     with pytest.raises(ValueError, match="'momentum' must be a number in \\[0, 1\\), got 1.0"):

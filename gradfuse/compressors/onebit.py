@@ -22,10 +22,11 @@ compressor reads the rank's velocity ``u = m * u + g`` and error feedback runs o
 ``velocity="sent"`` (the default) then sets ``u = decode(payload)``, the values this rank
 sent, decoded by the receivers' kernel, as 1-bit Adam does with its momentum (Tang et al.
 2021; DeepSpeed's ``exp_avg`` becomes the compressed allreduce's result): the mean of the
-ranks' velocities is the update every rank applies, and what 1-bit failed to send stays in
+ranks' velocities is the update every rank applies (two-phase: before the server's
+recompression), and what 1-bit failed to send stays in
 the residual alone instead of also staying in the velocity. ``velocity="local"`` keeps
 DGC's form (the velocity never sees the compressor), which on the digits CNN at momentum
-0.9 lags fp32 by 3.3 points and lets the residual grow to 10-40x the velocity
+0.9 lags fp32 by 3.3 points and lets the residual grow to 4-45x the velocity
 (docs/experiments.md). Nesterov (NAG) keeps DGC's form: the compressor reads
 ``m * u + g``, not the velocity.
 """
@@ -94,6 +95,14 @@ class OneBit(Compressor):
         if self.options["velocity"] not in VELOCITY:
             raise ValueError(f"option 'velocity' must be one of {', '.join(VELOCITY)}, "
                              f"got {self.options['velocity']!r}")
+
+    def get_config(self):
+        """As the base's; ``velocity`` only with ``momentum`` (it means nothing without), so a
+        1-bit config, its plan digest and its checkpoints stay what they were before it."""
+        cfg = super().get_config()
+        if not self.momentum:
+            cfg.pop("velocity")
+        return cfg
 
     @property
     def block(self):
