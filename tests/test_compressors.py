@@ -127,7 +127,7 @@ def test_registry_and_errors():
         create("3bit")
     with pytest.raises(TypeError, match="compressor '1bit': unknown option.*blocksize.*valid options: "
                                         "algorithm, block_size, error_feedback, momentum, momentum_masking, nesterov, "
-                                        "warmup_steps"):
+                                        "velocity, warmup_steps"):
         create("1bit", blocksize=64)
     with pytest.raises(ValueError, match="'block_size' must be a multiple of 32"):
         create("1bit", block_size=48)

@@ -17,6 +17,7 @@ import gradfuse  # noqa: E402
 import gradfuse._core as core  # noqa: E402
 from gradfuse.comm import SingleProcessCommunicator  # noqa: E402
 from gradfuse.compressors import create  # noqa: E402
+from gradfuse.compressors.base import BucketContext  # noqa: E402
 from gradfuse.compressors.momentum import warmup_ratio  # noqa: E402
 
 F32 = np.float32
@@ -160,10 +161,26 @@ def bucket_names(pipe):
             for b in plan.buckets}
 
 
+def sends_velocity(comp, nesterov):
+    """1-bit's ``velocity="sent"`` (its default, SGD's correction): the velocity becomes the
+    decoded payload this rank sent."""
+    return comp.name == "1bit" and comp.options["velocity"] == "sent" and not nesterov
+
+
+def own_decode(comp, c, counts):
+    """What a receiver decodes from this rank's payload of ``c`` (the compressor's plain
+    methods, which the fused kernels match bit for bit)."""
+    ctx = BucketContext(counts=counts)
+    payloads = [np.zeros(n, dt) for dt, n in comp.bucket_layout(ctx)]
+    comp.compress(c, payloads, ctx)
+    return comp.decompress(payloads, c.size, ctx)
+
+
 def dgc_reference(name, opts, nesterov=False, masking=None, steps=5, threshold=300, comm=None, rank=0,
                   warmup=0, feed=None):
     """DGC written out: this rank's velocity by hand (ref_momentum), fed to the same
-    compressor without momentum (error feedback on), masked where its residual was cleared."""
+    compressor without momentum (error feedback on), masked where its residual was cleared
+    (1-bit: set to this rank's decoded payload, ``velocity="sent"``)."""
     plain = gradfuse.Pipeline(compress=name, comm=comm, fusion_threshold=threshold, warmup_steps=warmup, **opts)
     comp = plain.compressor
     mask = (("ratio" in comp.options) and comp.error_feedback) if masking is None else masking
@@ -175,6 +192,16 @@ def dgc_reference(name, opts, nesterov=False, masking=None, steps=5, threshold=3
             u[k], x[k] = ref.momentum_update(v, u.get(k, np.zeros_like(v)), 0.9, 0.9 if nesterov else 0.0)
         before = {key: b["residual"] for key, b in plain.state_dict()["buckets"].items()}
         outs.append(plain.allreduce(x))
+        if sends_velocity(comp, nesterov) and step >= warmup:
+            for key, names in bucket_names(plain).items():
+                e_in = before.get(key)
+                flat_x = np.concatenate([x[k] for k in names])
+                c = np.add(flat_x, e_in if e_in is not None else np.zeros_like(flat_x), dtype=F32)
+                sent = own_decode(comp, c, tuple(g[k].size for k in names))
+                pos = 0
+                for k in names:
+                    u[k] = sent[pos:pos + g[k].size]
+                    pos += g[k].size
         if mask and step >= warmup:
             res = plain.state_dict()["buckets"]
             for key, names in bucket_names(plain).items():
@@ -345,6 +372,37 @@ def test_sparsity_warmup_sends_the_stage_k(comm, name, tmp_path):
     assert pipe2.compressor.get_config()["sparsity_warmup"] == 6
 
 
+@pytest.mark.parametrize("algorithm", ["allgather", "twophase"])
+def test_onebit_velocity_is_what_was_sent(comm, algorithm):
+    """1bit, velocity="sent" (default): after a step the velocity is this rank's decoded
+    payload (residual = c - velocity, in real arithmetic); "local" keeps DGC's u = m*u + g;
+    Nesterov keeps DGC's form too."""
+    g = grads(0)
+    flat = np.concatenate([v for v in g.values() if v.size])
+    kw = dict(compress="1bit", momentum=0.9, comm=comm, fusion_threshold=1 << 20, block_size=64, algorithm=algorithm)
+    sent, local = gradfuse.Pipeline(**kw), gradfuse.Pipeline(velocity="local", **kw)
+    nag = gradfuse.Pipeline(nesterov=True, **kw)
+    for pipe in (sent, local, nag):
+        pipe.allreduce(g)
+    (b_sent,), (b_local,), (b_nag,) = (p.state_dict()["buckets"].values() for p in (sent, local, nag))
+    counts = tuple(v.size for v in g.values())
+    want = own_decode(create("1bit", block_size=64), flat, counts)
+    assert bits(b_sent["velocity"]) == bits(want)
+    assert np.allclose(b_sent["velocity"] + b_sent["residual"], flat, rtol=1e-6, atol=1e-6)
+    assert bits(b_local["velocity"]) == bits(flat) and bits(b_nag["velocity"]) == bits(flat)
+    assert bits(b_local["residual"]) == bits(b_sent["residual"])
+    # the next step starts from the sent velocity: u = 0.9 * decode(sent) + g
+    g1 = grads(1)
+    sent.allreduce(g1)
+    (b1,) = sent.state_dict()["buckets"].values()
+    flat1 = np.concatenate([v for v in g1.values() if v.size])
+    u1, _ = ref.momentum_update(flat1, want, 0.9)
+    c1 = np.add(u1, b_sent["residual"], dtype=F32)
+    assert bits(b1["velocity"]) == bits(own_decode(create("1bit", block_size=64), c1, counts))
+    with pytest.raises(ValueError, match="option 'velocity' must be one of sent, local, got 'dgc'"):
+        create("1bit", momentum=0.9, velocity="dgc")
+
+
 # ------------------------------------------------------------------ options, config, non-finite
 
 def test_options_and_errors():
@@ -353,6 +411,8 @@ def test_options_and_errors():
     assert cfg["momentum"] == 0.9 and cfg["nesterov"] is True and cfg["momentum_masking"] is False
     assert create(cfg).get_config() == cfg
     assert "momentum" not in create("1bit").get_config()
+    assert "velocity" not in create("1bit").get_config()          # the config of before, without momentum
+    assert create("1bit", momentum=0.9).get_config()["velocity"] == "sent"
     assert create("none", momentum=0.5).get_config() == {"name": "none", "momentum": 0.5, "nesterov": False,
                                                          "momentum_masking": False}
     with pytest.raises(ValueError, match="'momentum' must be a number in \\[0, 1\\), got 1.0"):

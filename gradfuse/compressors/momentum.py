@@ -11,11 +11,17 @@ and bucket, with velocity ``u`` and residual ``e`` (both zero at the start), flo
     c = x + e                           # error feedback, as without momentum
     send compress(c);  e = c - decompress(sent)
     u[j] = 0 where a sparsifier sent c_j != 0   # momentum factor masking (top-k, random-k)
+    u = decompress(sent)                        # 1bit, velocity="sent" (its default; SGD)
 
 and the update is ``w -= lr * mean_ranks(decompress(sent))``. Lossless (``compress=None``,
 and uncompressed tensors of a compressed pipeline: warm-up steps, a layer policy's
 ``None`` patterns), the same velocity runs and the bucket's sum is the sum of ``x``:
 because the sum is linear, that is exactly SGD with momentum on the averaged gradient.
+
+1-bit sends every coordinate, so it has nothing to mask; its velocity becomes what this
+rank sent (1-bit Adam's rule, ``gradfuse.compressors.onebit``), so that the part of ``c``
+left unsent is kept once, in the residual, and the ranks' mean velocity is the applied
+update.
 
 Masking is decided from the residual, so it needs no knowledge of a compressor's
 payload: a position whose non-zero ``c_j`` was sent has ``e_j = c_j - c_j = 0``

@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ref_momentum as ref  # noqa: E402
 
 import gradfuse  # noqa: E402
+from gradfuse.compressors.base import BucketContext  # noqa: E402
 
 F32 = np.float32
 LOSSY = [("1bit", {"block_size": 64, "algorithm": "allgather"}), ("1bit", {"block_size": 32, "algorithm": "twophase"}),
@@ -39,7 +40,8 @@ def same_everywhere(comm, arrays):
 @pytest.mark.parametrize("name,opts", LOSSY, ids=[f"{n}-{i}" for i, (n, _) in enumerate(LOSSY)])
 def test_compressed_momentum_equals_dgc_written_out(world, name, opts):
     """This rank's velocity by hand, fed to the same compressor without momentum; masking
-    where that pipeline's residual was cleared. Same outputs, same residuals, all ranks."""
+    where that pipeline's residual was cleared, 1-bit's velocity set to this rank's decoded
+    payload. Same outputs, same residuals, all ranks."""
     r = world.rank
     pipe = gradfuse.Pipeline(compress=name, momentum=0.9, fusion_threshold=300, **opts)
     plain = gradfuse.Pipeline(compress=name, fusion_threshold=300, **opts)
@@ -65,6 +67,23 @@ def test_compressed_momentum_equals_dgc_written_out(world, name, opts):
                 e_in = before.get(key, np.zeros_like(res[key]["residual"]))
                 flat, _ = ref.momentum_mask(e_in, np.concatenate([x[k] for k in names]), res[key]["residual"],
                                             np.concatenate([u[k] for k in names]))
+                pos = 0
+                for k in names:
+                    u[k] = flat[pos:pos + u[k].size]
+                    pos += u[k].size
+        if name == "1bit":          # velocity="sent": u = this rank's own payload, decoded
+            (entry,) = plain._plans.values()
+            comp = plain.compressor
+            for b in entry.plan.buckets:
+                key = f"{entry.state_key}/{b.index}"
+                names = [entry.names[int(i)] for i in entry.plan.order[b.lo:b.hi]]
+                flat_x = np.concatenate([x[k] for k in names])
+                e_in = before.get(key)
+                c = np.add(flat_x, e_in if e_in is not None else np.zeros_like(flat_x), dtype=F32)
+                ctx = BucketContext(counts=tuple(x[k].size for k in names))
+                payloads = [np.zeros(n, dt) for dt, n in comp.bucket_layout(ctx)]
+                comp.compress(c, payloads, ctx)
+                flat = comp.decompress(payloads, c.size, ctx)
                 pos = 0
                 for k in names:
                     u[k] = flat[pos:pos + u[k].size]
