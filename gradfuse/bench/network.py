@@ -5,7 +5,9 @@
     python -m gradfuse.bench network --where local:2 --workloads tiny --rounds 2   # no root needed
 
 ``--where`` lists ``PLACE:RANKS`` entries: ``local:P`` runs ``mpiexec -n P`` on this
-machine (shared memory: the compute-bound reference); ``1gbit:P``, ``10gbit:P`` or
+machine (shared memory: the compute-bound reference); ``cluster:P`` runs
+``--launch`` (e.g. ``'mpiexec -hosts n1,n2,n3,n4'``) with ``-n P`` on real hosts, predicted
+at ``--link-rate`` (docs/network.md); ``1gbit:P``, ``10gbit:P`` or
 ``RATE[/DELAY]:P`` (``2gbit/50us:4``) builds an emulated cluster of P hosts, one rank each,
 every host on its own link shaped both ways (gradfuse/bench/netns.py; needs root), and
 runs the ranks there with MPICH on TCP. Each entry is one mpiexec run of
@@ -34,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -52,7 +55,7 @@ def parse_where(spec):
         place, _, n = item.rpartition(":")
         if not place or not n.isdigit() or int(n) < 1:
             raise ValueError(f"--where entry {item!r}: expected PLACE:RANKS, e.g. local:2 or 1gbit:4")
-        if place != "local":
+        if place not in ("local", "cluster"):
             from .netns import parse_link
             parse_link(place.replace("/", ":"))      # a bad rate fails here, before any run
         out.append((place, int(n)))
@@ -64,18 +67,23 @@ def _mpiexec():
     return cand if os.path.exists(cand) else "mpiexec"
 
 
-def run_place(place, p, workloads, methods, rounds, with_horovod, mtu, timeout):
-    """One mpiexec run of the worker; returns its JSON plus the link's facts."""
+def run_place(place, p, worker, mtu, timeout, launch=None, link_rate=None):
+    """One mpiexec run of ``python -m <worker[0]> OUT <worker[1:]>``; returns its JSON plus
+    the link's facts."""
     env = dict(os.environ, PYTHONPATH=_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory(prefix="gfnet-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
-        argv = [sys.executable, "-m", "gradfuse.bench.network_worker", out, "--workloads", ",".join(workloads),
-                "--methods", ",".join(methods), "--rounds", str(rounds)] + ([] if with_horovod else ["--no-horovod"])
+        argv = [sys.executable, "-m", worker[0], out] + list(worker[1:])
         sys.stderr.write(f"== {place}:{p} ==\n")
         sys.stderr.flush()
         if place == "local":
             rc = subprocess.run([_mpiexec(), "-n", str(p)] + argv, env=env, timeout=timeout).returncode
             link = None
+        elif place == "cluster":       # a real one: the user's launcher, the link rate they name
+            from .netns import parse_link
+            rate, _, bps = parse_link(link_rate)
+            rc = subprocess.run(shlex.split(launch) + ["-n", str(p)] + argv, env=env, timeout=timeout).returncode
+            link = {"bps": bps, "rate": rate, "delay": None, "mtu": None, "tc_bytes": {}}
         else:
             from . import netns
             env["GRADFUSE_NET_IFACE"] = "eth0"
@@ -94,20 +102,25 @@ def run_place(place, p, workloads, methods, rounds, with_horovod, mtu, timeout):
 
 
 def predict_step(label, w, p, link, latency):
-    """Predicted seconds of one step of ``label`` on workload ``w`` (None if unknown)."""
+    """Predicted seconds of one step of ``label`` on workload ``w``: (the cost model with
+    its kernel rates, its wire and latency terms alone); (None, None) if it has no formula."""
     from ..compressors import cost
-    L = cost.Link(link["bps"] / 8, latency)
+    L, free = cost.Link(link["bps"] / 8, latency), cost.Link(1e30, 0.0)
     m = w["methods"][label]
+    if label in COMPRESSORS:
+        cname, opts = COMPRESSORS[label]
+        parts = [(cname, a, n, opts) for n, a in zip(buckets(w["counts"], m["threshold"]), m["algorithms"])]
+    elif label == "mpi4py":
+        parts = [("none", "ring", n, {}) for n in w["counts"]]
+    else:      # Horovod fuses into 64 MB buckets: about one allreduce of everything
+        parts = [("fp16", "allreduce", w["bytes"] // 4, {}) if label == "horovod-fp16" else
+                 ("none", "ring", w["bytes"] // 4, {})]
     try:
-        if label in COMPRESSORS:
-            cname, opts = COMPRESSORS[label]
-            bs = buckets(w["counts"], m["threshold"])
-            return sum(cost.predict(cname, a, n, p, L, options=opts) for n, a in zip(bs, m["algorithms"]))
-        if label == "mpi4py":
-            return sum(cost.predict("none", "ring", n, p, L) for n in w["counts"])
-        return cost.predict("none", "ring", w["bytes"] // 4, p, L)       # Horovod fuses into 64 MB buckets
+        full = sum(cost.predict(c, a, n, p, L, options=o) for c, a, n, o in parts)
+        compute = sum(cost.predict(c, a, n, p, free, options=o) for c, a, n, o in parts)
     except (ValueError, KeyError):
-        return None
+        return None, None
+    return full, full - compute
 
 
 def report(results):
@@ -128,8 +141,9 @@ def report(results):
             head = "| method | algorithms | ms/step | algbw GB/s | busbw GB/s | speedup vs fp32 | MB sent/rank |"
             sep = "|---|---|---:|---:|---:|---:|---:|"
             if link:
-                head += " MB wire/rank | predicted ms | measured/predicted | bound ms | t/bound |"
-                sep += "---:|---:|---:|---:|---:|"
+                head += (" MB wire/rank | model ms (kernel rates) | model ms (measured compute) | "
+                         "measured/model | bound ms | t/bound |")
+                sep += "---:|---:|---:|---:|---:|---:|"
             lines += [head, sep]
             for label, m in ms.items():
                 t = m["t"]
@@ -138,12 +152,15 @@ def report(results):
                 row = (f"| {label} | {'+'.join(algos)} | {t * 1e3:.1f} | {algbw:.3f} | {algbw * 2 * (p - 1) / p:.3f} | "
                        f"{(ref / t if ref else float('nan')):.2f}x | {m['sent'] / 1e6:.3f} |")
                 if link:
-                    pred = predict_step(label, w, p, link, lat)
+                    pred, wire_part = predict_step(label, w, p, link, lat)
                     lt = local.get((p, wn), {}).get("methods", {}).get(label, {}).get("t")
                     bound = max(lt or 0.0, m["sent"] * 8 / link["bps"])
                     row += (f" {m['wire'] / 1e6:.3f} |" if m["wire"] is not None else " - |")
-                    row += (f" {pred * 1e3:.1f} | {t / pred:.2f} |" if pred else " - | - |")
-                    row += f" {bound * 1e3:.1f} | {t / bound:.2f} |" + ("" if lt else " (no local:%d run)" % p)
+                    row += f" {pred * 1e3:.1f} |" if pred else " - |"
+                    # measured compute: this method's local:P time in place of the kernel-rate terms
+                    mc = (wire_part + lt) if (pred and lt) else None
+                    row += f" {mc * 1e3:.1f} | {t / mc:.2f} |" if mc else " - | - |"
+                    row += f" {bound * 1e3:.1f} | {t / bound:.2f} |" if lt else f" - | - (no local:{p} run) |"
                 lines.append(row)
             if not r["horovod"] and any(k.startswith("horovod") for k in DEFAULT_METHODS):
                 lines.append("\nHorovod is not installed here (or failed to import): its rows are left out.")
@@ -168,11 +185,37 @@ def main(argv=None):
     ap.add_argument("--mtu", type=int, default=1500, help="emulated links' MTU")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per place before it is stopped")
     ap.add_argument("--json", help="also write every measurement to this file")
+    ap.add_argument("--launch", help="cluster:P entries: the launcher, e.g. 'mpiexec -hosts n1,n2' (-n P is added)")
+    ap.add_argument("--link-rate", help="cluster:P entries: the hosts' link rate for the model, e.g. 10gbit")
+    ap.add_argument("--from-json", metavar="FILE", help="print the tables of an earlier --json file, run nothing")
+    ap.add_argument("--e2e", action="store_true",
+                    help="the end-to-end Gluon training step instead (gradfuse/bench/network_e2e.py): "
+                         "--methods then lists compressors (default none,fp16,1bit)")
     a = ap.parse_args(argv)
+    if a.from_json:
+        with open(a.from_json) as f:
+            results = json.load(f)
+        from .network_e2e import report as e2e_report
+        print((e2e_report if results and "rows" in results[0] else report)(results))
+        return 0
     try:
         where = parse_where(a.where)
     except ValueError as e:
         ap.error(str(e))
+    if any(pl == "cluster" for pl, _ in where) and not (a.launch and a.link_rate):
+        ap.error("--where cluster:P needs --launch 'mpiexec -hosts ...' and --link-rate (e.g. 10gbit)")
+    if any(pl not in ("local", "cluster") for pl, _ in where):
+        from .netns import check_root
+        try:
+            check_root()
+        except (PermissionError, FileNotFoundError) as e:
+            ap.error(f"{e}: run the emulated entries as root, or use --where local:P")
+    where.sort(key=lambda e: e[0] != "local")   # local first: the emulated rows use its times as the bound
+    if a.e2e:
+        from .network_e2e import report as e2e_report
+        comps = a.methods if a.methods != ap.get_default("methods") else "none,fp16,1bit"
+        worker = ["gradfuse.bench.network_e2e", "--compressors", comps, "--rounds", str(a.rounds)]
+        return _finish(a, [run_place(pl, p, worker, a.mtu, a.timeout, a.launch, a.link_rate) for pl, p in where], e2e_report)
     workloads = [s for s in a.workloads.split(",") if s]
     methods = [s for s in a.methods.split(",") if s]
     for name, valid in ((w, WORKLOADS) for w in workloads):
@@ -183,17 +226,14 @@ def main(argv=None):
             ap.error(f"unknown method {m!r}; choose from {', '.join(list(COMPRESSORS) + list(BASELINES))}")
     if "none" not in methods:
         methods.insert(0, "none")     # every speedup is against gradfuse fp32
-    if any(pl != "local" for pl, _ in where):
-        from .netns import check_root
-        try:
-            check_root()
-        except (PermissionError, FileNotFoundError) as e:
-            ap.error(f"{e}: run the emulated entries as root, or use --where local:P")
-    # local entries first: the emulated rows use their times as the compute bound
-    where.sort(key=lambda e: e[0] != "local")
-    results = [run_place(pl, p, workloads, methods, a.rounds, not a.no_horovod, a.mtu, a.timeout) for pl, p in where]
+    worker = ["gradfuse.bench.network_worker", "--workloads", ",".join(workloads), "--methods", ",".join(methods),
+              "--rounds", str(a.rounds)] + (["--no-horovod"] if a.no_horovod else [])
+    return _finish(a, [run_place(pl, p, worker, a.mtu, a.timeout, a.launch, a.link_rate) for pl, p in where], report)
+
+
+def _finish(a, results, fmt):
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
-    print(report(results))
+    print(fmt(results))
     return 0

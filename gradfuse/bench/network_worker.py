@@ -57,6 +57,9 @@ def buckets(counts, threshold):
     out, cur = [], 0
     for c in counts:
         if threshold == 0 or 4 * c >= threshold:
+            if cur:
+                out.append(cur)
+                cur = 0
             out.append(c)
             continue
         if cur and 4 * (cur + c) > threshold:
