@@ -55,8 +55,11 @@ def test_prediction_is_the_cost_model_summed_over_buckets():
         "mpi4py": {"threshold": None, "algorithms": None}}}
     link = {"bps": 1e9}
     want = sum(cost.predict("none", "ring", n, 2, cost.Link(125e6, 1e-4)) for n in (1000, 2000))
-    assert predict_step("none", w, 2, link, 1e-4) == pytest.approx(want)
-    assert predict_step("mpi4py", w, 2, link, 1e-4) == pytest.approx(want)
+    full, wire = predict_step("none", w, 2, link, 1e-4)
+    assert full == pytest.approx(want)
+    # the wire part: bytes at the link rate plus 2(p-1) latency steps per bucket, no compute
+    assert wire == pytest.approx(2 * (2 * 0.5 * 4 * 1000 / 125e6 + 2 * 1e-4) + 2 * 0.5 * 4 * 1000 / 125e6)
+    assert predict_step("mpi4py", w, 2, link, 1e-4)[0] == pytest.approx(want)
 
 
 def test_local_smoke_two_ranks():
