@@ -123,6 +123,52 @@ def predict_step(label, w, p, link, latency):
     return full, full - compute
 
 
+MODEL_ROWS = (("none", "ring"), ("fp16", "allreduce"), ("1bit", "allgather"), ("1bit", "twophase"),
+              ("2bit", "allgather"), ("2bit", "twophase"), ("topk", "allgather"), ("randomk", "allgather"),
+              ("randomk", "sparse_allreduce"))
+MODEL_P = (2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def model_table(workload, links, threshold=1 << 20):
+    """Markdown: the cost model's seconds per step of every (compressor, algorithm) at
+    p = 2..256 on each link (its preset latency, the model's kernel rates), and the p from
+    which each stops beating the fp32 ring (the crossover)."""
+    from ..compressors import cost
+    counts = [int(math.prod(s)) for s in WORKLOADS[workload]()]
+    bs = buckets(counts, threshold)
+
+    def step(c, a, p, link):
+        return sum(cost.predict(c, a, n, p, link) for n in bs)
+
+    def crossover(c, a, link, p_max=4096):
+        def loses(p):
+            return step(c, a, p, link) >= step("none", "ring", p, link)
+        if loses(2):
+            return "2"
+        lo, hi = 2, 4
+        while hi <= p_max and not loses(hi):
+            lo, hi = hi, hi * 2
+        if hi > p_max:
+            return f"> {p_max}"
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if loses(mid) else (mid, hi)
+        return str(hi)
+
+    lines = []
+    for spec in links:
+        link = cost.link_from(spec)
+        lines.append(f"\n#### cost model: {workload} ({sum(counts) * 4 / 1e6:.1f} MB, {len(bs)} buckets of at most "
+                     f"{threshold >> 10} KiB), {link!r}, ms per step\n")
+        lines.append("| compressor | algorithm | " + " | ".join(f"p={p}" for p in MODEL_P) +
+                     " | slower than fp32 from p = |")
+        lines.append("|---|---|" + "---:|" * len(MODEL_P) + "---:|")
+        for c, a in MODEL_ROWS:
+            lines.append(f"| {c} | {a} | " + " | ".join(f"{step(c, a, p, link) * 1e3:.0f}" for p in MODEL_P) +
+                         f" | {'-' if c == 'none' else crossover(c, a, link)} |")
+    return "\n".join(lines)
+
+
 def report(results):
     """Markdown tables of the runs (one per place and workload)."""
     lines = []
@@ -187,11 +233,16 @@ def main(argv=None):
     ap.add_argument("--json", help="also write every measurement to this file")
     ap.add_argument("--launch", help="cluster:P entries: the launcher, e.g. 'mpiexec -hosts n1,n2' (-n P is added)")
     ap.add_argument("--link-rate", help="cluster:P entries: the hosts' link rate for the model, e.g. 10gbit")
+    ap.add_argument("--model", metavar="LINKS", help="print the cost model's extrapolation to 256 ranks for "
+                    "these links (e.g. 1gbit,10gbit) and the first --workloads entry, run nothing")
     ap.add_argument("--from-json", metavar="FILE", help="print the tables of an earlier --json file, run nothing")
     ap.add_argument("--e2e", action="store_true",
                     help="the end-to-end Gluon training step instead (gradfuse/bench/network_e2e.py): "
                          "--methods then lists compressors (default none,fp16,1bit)")
     a = ap.parse_args(argv)
+    if a.model:
+        print(model_table(a.workloads.split(",")[0], a.model.split(",")))
+        return 0
     if a.from_json:
         with open(a.from_json) as f:
             results = json.load(f)
