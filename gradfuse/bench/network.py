@@ -74,7 +74,8 @@ def run_place(place, p, worker, mtu, timeout, launch=None, link_rate=None):
     with tempfile.TemporaryDirectory(prefix="gfnet-bench-") as tmp:
         out = os.path.join(tmp, "result.json")
         argv = [sys.executable, "-m", worker[0], out] + list(worker[1:])
-        sys.stderr.write(f"== {place}:{p} ==\n")
+        load0 = os.getloadavg()[0]
+        sys.stderr.write(f"== {place}:{p} (load average {load0:.1f}) ==\n")
         sys.stderr.flush()
         if place == "local":
             rc = subprocess.run([_mpiexec(), "-n", str(p)] + argv, env=env, timeout=timeout).returncode
@@ -97,7 +98,7 @@ def run_place(place, p, worker, mtu, timeout, launch=None, link_rate=None):
             raise SystemExit(f"{place}:{p}: the ranks failed (exit status {rc})")
         with open(out) as f:
             r = json.load(f)
-    r["place"], r["link"] = place, link
+    r["place"], r["link"], r["load"] = place, link, (load0, os.getloadavg()[0])
     return r
 
 
@@ -182,8 +183,10 @@ def report(results):
             S, ms = w["bytes"], w["methods"]
             ref = ms.get("none", {}).get("t")
             lines.append(f"\n#### {wn} ({w['tensors']} tensors, {S / 1e6:.1f} MB), {p} ranks, {where}\n")
+            load = r.get("load")
             lines.append(f"8-byte allreduce: {r['small_allreduce_s'] * 1e6:.0f} us; {r['rounds']} rounds, median of the "
-                         "slowest rank.\n")
+                         "slowest rank" + (f"; 1-min load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "
+                                           f"(of {os.cpu_count()} cores)" if load else "") + ".\n")
             head = "| method | algorithms | ms/step | algbw GB/s | busbw GB/s | speedup vs fp32 | MB sent/rank |"
             sep = "|---|---|---:|---:|---:|---:|---:|"
             if link:
