@@ -243,6 +243,10 @@ def main(argv=None):
                     help="the end-to-end Gluon training step instead (gradfuse/bench/network_e2e.py): "
                          "--methods then lists compressors (default none,fp16,1bit)")
     a = ap.parse_args(argv)
+    import signal
+    from .netns import _raise_exit
+    if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _raise_exit)      # a kill stops the ranks and tears the cluster down
     if a.model:
         print(model_table(a.workloads.split(",")[0], a.model.split(",")))
         return 0

@@ -1,11 +1,13 @@
 """The ranks' half of ``python -m gradfuse.bench network --e2e``: a Gluon training step.
 
 Model: an MLP with large layers, 1024 -> 4096 -> 4096 -> 10 (ReLU; 21.0 M parameters,
-84 MB of float32 gradients), batch 64 of random inputs and labels, softmax
+84 MB of float32 gradients), batch 16 of random inputs and labels, softmax
 cross-entropy, SGD (learning rate 0.01, momentum 0.9), trained with
 ``gradfuse.mxnet.DistributedTrainer`` (``compress=None``, ``"fp16"``, ``"1bit"``; the
-trainer's defaults otherwise). Its forward and backward take a fraction of the time 84 MB
-take on a 1 Gbit/s link, so communication dominates the fp32 step.
+trainer's defaults otherwise). Its forward and backward (6 x 21 M x 16 = 2 GFLOP) take a
+fraction of the 0.67 s that 84 MB take on a 1 Gbit/s link, so communication dominates
+the fp32 step. Each rank runs MXNet with ``OMP_NUM_THREADS=1`` unless set (2 ranks on 2
+cores: more threads only oversubscribe them).
 
 Per compressor: two warm-up steps, then ``rounds`` timed steps, each between barriers:
 ``fb`` is forward + backward (until ``mx.nd.waitall()``), ``step`` the
@@ -21,7 +23,7 @@ import numpy as np
 from .sets import median_times
 
 LAYERS = (1024, 4096, 4096, 10)
-BATCH = 64
+BATCH = 16
 
 
 def build(mx, seed):
@@ -37,6 +39,8 @@ def build(mx, seed):
 
 
 def run(compressors, rounds, out):
+    import os
+    os.environ.setdefault("OMP_NUM_THREADS", "1")     # read when MXNet is imported
     import mxnet as mx
     from mxnet import autograd, gluon
     import gradfuse.mxnet as hvd
