@@ -25,7 +25,9 @@ baselines as a ring's 2(p - 1)/p x S); "wire" is what left the host's interface 
 (headers included; emulated cluster only). "predicted" sums
 ``gradfuse.compressors.cost.predict`` over the fusion buckets, each with the algorithm the
 compressor picks for it, on the link's rate and a latency per message step taken from
-an 8-byte allreduce measured in the same run (its time / ceil(log2 p)). "bound" is
+an 8-byte allreduce measured in the same run (its time, less the same on shared memory
+when the run has a ``local:P`` entry, / ceil(log2 p)). A second prediction replaces the
+model's compute terms by the method's measured ``local:P`` time (wire + local). "bound" is
 max(the same method's time in this run's ``local:P`` entry, sent / link rate): the
 issue's target is t <= 1.25 x bound.
 
@@ -176,7 +178,10 @@ def report(results):
     local = {(r["p"], wn): w for r in results if r["place"] == "local" for wn, w in r["workloads"].items()}
     for r in results:
         p, link = r["p"], r["link"]
-        lat = r["small_allreduce_s"] / max(1, math.ceil(math.log2(p))) if p > 1 else 0.0
+        # the link's latency per message step: the 8-byte allreduce here, less the same on
+        # shared memory (what remains of it is scheduling, already in the local times)
+        lsmall = next((x["small_allreduce_s"] for x in results if x["place"] == "local" and x["p"] == p), 0.0)
+        lat = max(0.0, r["small_allreduce_s"] - lsmall) / max(1, math.ceil(math.log2(p))) if p > 1 else 0.0
         where = "local (shared memory)" if link is None else (
             f"emulated {link['rate']} links, one-way delay {link['delay'] or 'none (no netem)'}, MTU {link['mtu']}")
         for wn, w in r["workloads"].items():
@@ -184,7 +189,8 @@ def report(results):
             ref = ms.get("none", {}).get("t")
             lines.append(f"\n#### {wn} ({w['tensors']} tensors, {S / 1e6:.1f} MB), {p} ranks, {where}\n")
             load = r.get("load")
-            lines.append(f"8-byte allreduce: {r['small_allreduce_s'] * 1e6:.0f} us; {r['rounds']} rounds, median of the "
+            lines.append(f"8-byte allreduce: {r['small_allreduce_s'] * 1e6:.0f} us" +
+                         (f" (model latency per step: {lat * 1e6:.0f} us)" if link else "") + f"; {r['rounds']} rounds, median of the "
                          "slowest rank" + (f"; 1-min load average {load[0]:.1f} at the start, {load[1]:.1f} at the end "
                                            f"(of {os.cpu_count()} cores)" if load else "") + ".\n")
             head = "| method | algorithms | ms/step | algbw GB/s | busbw GB/s | speedup vs fp32 | MB sent/rank |"
