@@ -100,6 +100,7 @@ def run(compressors, rounds, out):
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
+    world.Barrier()
 
 
 def report(results):

@@ -192,6 +192,7 @@ def run(workloads, methods, rounds, out, with_horovod=True):
             json.dump(result, f)
     if hvd is not None:
         hvd.shutdown()
+    world.Barrier()        # leave together (gradfuse warns about a rank that exits while others run)
 
 
 def main(argv):
