@@ -105,6 +105,12 @@ def cleanup(only_dead=True):
             continue
         _kill_and_delete(ns)
         gone.append(ns)
+    # the hydra wrappers' folders of dead runs
+    tmp = tempfile.gettempdir()
+    for d in os.listdir(tmp):
+        m = re.fullmatch(PREFIX + r"(\d+)-\w+", d)
+        if m and not os.path.exists(f"/proc/{m.group(1)}") and os.path.isdir(os.path.join(tmp, d)):
+            shutil.rmtree(os.path.join(tmp, d), ignore_errors=True)
     return gone
 
 

@@ -113,7 +113,9 @@ def report(results):
         where = "local (shared memory)" if link is None else f"emulated {link['rate']} links"
         g = next(iter(rows.values()))["grad_bytes"]
         lines.append(f"\n#### Gluon step, MLP {'-'.join(map(str, r['layers']))} ({g / 1e6:.1f} MB of gradients), "
-                     f"batch {r['batch']}, {p} ranks, {where}; {r['rounds']} rounds\n")
+                     f"batch {r['batch']}, {p} ranks, {where}; {r['rounds']} rounds" +
+                     (f"; 1-min load average {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end"
+                      if r.get("load") else "") + "\n")
         head = "| compressor | ms/step | forward+backward ms | trainer.step ms | speedup vs fp32 | MB sent/rank |"
         sep = "|---|---:|---:|---:|---:|---:|"
         if link:
