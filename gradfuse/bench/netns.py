@@ -77,20 +77,35 @@ def _namespaces():
     return [line.split()[0] for line in out.splitlines() if line.strip()]
 
 
-def _kill_and_delete(ns):
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-        for pid in pids:
+def _pids(ns):
+    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split() if p.isdigit()]
+
+
+def _signal_all(namespaces, sig):
+    n = 0
+    for ns in namespaces:
+        for pid in _pids(ns):
             try:
-                os.kill(int(pid), sig)
-            except (ProcessLookupError, ValueError):
+                os.kill(pid, sig)
+                n += 1
+            except ProcessLookupError:
                 pass
-        if not pids:
+    return n
+
+
+def _kill_and_delete(*namespaces):
+    """Stop everything in ``namespaces`` (in the order given: launchers first, so that no
+    new process starts behind the scan), then delete them."""
+    import time
+    if _signal_all(namespaces, signal.SIGTERM):
+        time.sleep(0.3)
+    for _ in range(5):         # a proxy may still have been spawning: scan until quiet
+        if not _signal_all(namespaces, signal.SIGKILL):
             break
-        if sig == signal.SIGTERM:
-            import time
-            time.sleep(0.3)
-    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        time.sleep(0.1)
+    for ns in namespaces:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 def cleanup(only_dead=True):
@@ -103,8 +118,9 @@ def cleanup(only_dead=True):
             continue
         if only_dead and os.path.exists(f"/proc/{m.group(1)}"):
             continue
-        _kill_and_delete(ns)
         gone.append(ns)
+    gone.sort(key=lambda n: not n.endswith("-head"))   # launchers first
+    _kill_and_delete(*gone)
     # the hydra wrappers' folders of dead runs
     tmp = tempfile.gettempdir()
     for d in os.listdir(tmp):
@@ -210,8 +226,9 @@ class Cluster:
                                  f"only, their latency is the veth path's own\n")
 
     def down(self):
-        for ns in reversed(self._made):
-            _kill_and_delete(ns)
+        # the head (mpiexec) first, then the hosts, the bridge last
+        order = [n for n in (self.head, *self.ns, self.br) if n in self._made]
+        _kill_and_delete(*order)
         self._made = []
         if self.tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
