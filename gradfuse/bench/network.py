@@ -219,7 +219,7 @@ def report(results):
                 lines.append(row)
             if not r["horovod"] and any(k.startswith("horovod") for k in DEFAULT_METHODS):
                 lines.append("\nHorovod is not installed here (or failed to import): its rows are left out.")
-        if link:
+        if link and link["tc_bytes"]:
             lines.append(f"\nBytes that crossed each shaped link during the {p}-host run (tc -s tbf counters, "
                          "whole run incl. warm-up and launch):\n")
             lines.append("| host | sent MB | received MB |\n|---|---:|---:|")
