@@ -217,7 +217,7 @@ def report(results):
                     row += f" {mc * 1e3:.1f} | {t / mc:.2f} |" if mc else " - | - |"
                     row += f" {bound * 1e3:.1f} | {t / bound:.2f} |" if lt else f" - | - (no local:{p} run) |"
                 lines.append(row)
-            if not r["horovod"] and any(k.startswith("horovod") for k in DEFAULT_METHODS):
+            if r["horovod"] is False:
                 lines.append("\nHorovod is not installed here (or failed to import): its rows are left out.")
         if link and link["tc_bytes"]:
             lines.append(f"\nBytes that crossed each shaped link during the {p}-host run (tc -s tbf counters, "

@@ -121,7 +121,9 @@ def run(workloads, methods, rounds, out, with_horovod=True):
     lat = median_times({"a": lambda: world.Allreduce(MPI.IN_PLACE, small)}, 50)["a"]
     lat = world.allreduce(lat, op=MPI.MAX)
     result = {"p": p, "rounds": rounds, "small_allreduce_s": lat, "iface": iface,
-              "horovod": hvd is not None, "workloads": {}}
+              "workloads": {},
+              # None: not asked for; False: asked for, but not importable here
+              "horovod": (hvd is not None) if with_horovod and any(m.startswith("horovod") for m in methods) else None}
     for wname in workloads:
         shapes = WORKLOADS[wname]()
         arrays = make_set(shapes, 100 + rank)
