@@ -20,8 +20,23 @@ from helpers import run_limited
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-needs_root = pytest.mark.skipif(os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")),
-                                reason="the emulated cluster needs root, ip and tc")
+def _can_make_namespaces():
+    """Root, ip and tc, and a kernel/container that lets us add a namespace with a tbf."""
+    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
+        return False
+    ns = f"{netns.PREFIX}{os.getpid()}-probe"
+    try:
+        ok = subprocess.run(["ip", "netns", "add", ns], capture_output=True).returncode == 0
+        ok = ok and subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "tbf",
+                                    "rate", "1gbit", "burst", "64k", "latency", "10ms"],
+                                   capture_output=True).returncode == 0
+        return ok
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+needs_root = pytest.mark.skipif(not _can_make_namespaces(),
+                                reason="the emulated cluster needs root, ip, tc and network namespaces with tbf")
 
 
 def test_where_and_links_are_checked():
