@@ -1,0 +1,153 @@
+"""The ranks' half of ``python -m gradfuse.bench network --e2e``: a Gluon training step.
+
+Model: an MLP with large layers, 1024 -> 4096 -> 4096 -> 10 (ReLU; 21.0 M parameters,
+84 MB of float32 gradients), batch 16 of random inputs and labels, softmax
+cross-entropy, SGD (learning rate 0.01, momentum 0.9), trained with
+``gradfuse.mxnet.DistributedTrainer`` (``compress=None``, ``"fp16"``, ``"1bit"``; the
+trainer's defaults otherwise). Its forward and backward (6 x 21 M x 16 = 2 GFLOP) take a
+fraction of the 0.67 s that 84 MB take on a 1 Gbit/s link, so communication dominates
+the fp32 step. Each rank runs MXNet with ``OMP_NUM_THREADS=1`` unless set (2 ranks on 2
+cores: more threads only oversubscribe them).
+
+Per compressor: two warm-up steps, then ``rounds`` timed steps, each between barriers:
+``fb`` is forward + backward (until ``mx.nd.waitall()``), ``step`` the
+``trainer.step(batch)`` call (allreduce, compression, update; waited for), ``t`` the whole
+step. Reported: medians of the slowest rank, and the bytes the trainer's pipeline counts
+as sent per step.
+"""
+import json
+import sys
+
+import numpy as np
+
+from .sets import median_times
+
+LAYERS = (1024, 4096, 4096, 10)
+BATCH = 16
+
+
+def build(mx, seed):
+    from mxnet import gluon
+    mx.random.seed(seed)
+    net = gluon.nn.HybridSequential()
+    for units in LAYERS[1:-1]:
+        net.add(gluon.nn.Dense(units, activation="relu"))
+    net.add(gluon.nn.Dense(LAYERS[-1]))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    return net
+
+
+def run(compressors, rounds, out):
+    import os
+    os.environ.setdefault("OMP_NUM_THREADS", "1")     # read when MXNet is imported
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    import gradfuse.mxnet as hvd
+    from mpi4py import MPI
+    hvd.init()
+    world = MPI.COMM_WORLD
+    rank, p = hvd.rank(), hvd.size()
+    rng = np.random.default_rng(rank)
+    x = mx.nd.array(rng.standard_normal((BATCH, LAYERS[0])).astype(np.float32))
+    y = mx.nd.array(rng.integers(0, LAYERS[-1], BATCH).astype(np.float32))
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    result = {"p": p, "rounds": rounds, "layers": LAYERS, "batch": BATCH, "rows": {}}
+    for name in compressors:
+        net = build(mx, 0)
+        net(x)
+        params = net.collect_params()
+        trainer = hvd.DistributedTrainer(params, "sgd", {"learning_rate": 0.01, "momentum": 0.9},
+                                         compress=None if name == "none" else name)
+        times = {"fb": [], "step": []}
+
+        def fb():
+            with autograd.record():
+                loss = loss_fn(net(x), y)
+            loss.backward()
+            mx.nd.waitall()
+
+        def step():
+            trainer.step(BATCH)
+            mx.nd.waitall()
+
+        def whole():
+            import time
+            t0 = time.perf_counter()
+            fb()
+            t1 = time.perf_counter()
+            step()
+            times["fb"].append(t1 - t0)
+            times["step"].append(time.perf_counter() - t1)
+
+        for _ in range(2):
+            whole()
+        times = {"fb": [], "step": []}
+        pipe = trainer.pipeline
+        sent0 = pipe.stats.bytes_sent if pipe is not None else 0
+        t = median_times({"t": whole}, rounds, sync=world.Barrier)["t"]
+        sent = ((pipe.stats.bytes_sent - sent0) / rounds) if pipe is not None else None
+        row = {"t": world.allreduce(t, op=MPI.MAX),
+               "fb": world.allreduce(float(np.median(times["fb"])), op=MPI.MAX),
+               "step": world.allreduce(float(np.median(times["step"])), op=MPI.MAX),
+               "sent": sent, "grad_bytes": sum(q.data().size * 4 for q in params.values())}
+        result["rows"][name] = row
+        if rank == 0:
+            sys.stderr.write(f"  [{p} ranks] e2e {name}: {row['t'] * 1e3:.1f} ms per step (forward+backward "
+                             f"{row['fb'] * 1e3:.1f}, trainer.step {row['step'] * 1e3:.1f})\n")
+            sys.stderr.flush()
+        del trainer, net, params
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+    world.Barrier()
+
+
+def report(results):
+    """Markdown: per place, the step split into compute and communication, the speedup
+    over fp32, and the bound compute + wire time allows."""
+    lines = []
+    local = {r["p"]: r for r in results if r["place"] == "local"}
+    for r in results:
+        p, link, rows = r["p"], r["link"], r["rows"]
+        where = "local (shared memory)" if link is None else f"emulated {link['rate']} links"
+        g = next(iter(rows.values()))["grad_bytes"]
+        lines.append(f"\n#### Gluon step, MLP {'-'.join(map(str, r['layers']))} ({g / 1e6:.1f} MB of gradients), "
+                     f"batch {r['batch']}, {p} ranks, {where}; {r['rounds']} rounds" +
+                     (f"; 1-min load average {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end"
+                      if r.get("load") else "") + "\n")
+        head = "| compressor | ms/step | forward+backward ms | trainer.step ms | speedup vs fp32 | MB sent/rank |"
+        sep = "|---|---:|---:|---:|---:|---:|"
+        if link:
+            head += " wire ms (sent / rate) | local step ms | allowed speedup | measured / allowed |"
+            sep += "---:|---:|---:|---:|"
+        lines += [head, sep]
+        t32 = rows["none"]["t"] if "none" in rows else None
+        for name, m in rows.items():
+            sent = m["sent"] if m["sent"] is not None else 2 * (p - 1) / p * m["grad_bytes"]
+            row = (f"| {name} | {m['t'] * 1e3:.1f} | {m['fb'] * 1e3:.1f} | {m['step'] * 1e3:.1f} | "
+                   f"{(t32 / m['t'] if t32 else float('nan')):.2f}x | {sent / 1e6:.2f} |")
+            if link:
+                wire = sent * 8 / link["bps"]
+                lt = local.get(p, {}).get("rows", {}).get(name, {}).get("t")
+                if lt and t32:
+                    allowed = t32 / (lt + wire)     # Amdahl: its own compute, plus its bytes at the link rate
+                    row += f" {wire * 1e3:.1f} | {lt * 1e3:.1f} | {allowed:.2f}x | {t32 / m['t'] / allowed:.2f} |"
+                else:
+                    row += f" {wire * 1e3:.1f} | - | - | - |"
+            lines.append(row)
+    return "\n".join(lines)
+
+
+def main(argv):
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m gradfuse.bench.network_e2e")
+    ap.add_argument("out")
+    ap.add_argument("--compressors", default="none,fp16,1bit")
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args(argv)
+    run(a.compressors.split(","), a.rounds, a.out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
