@@ -172,11 +172,13 @@ def test_gradfuse_timeline_env_writes_the_file_at_exit(tmp_path):
     assert {n for n in track_names(trace).values()} == {"negotiate", "compress", "exchange", "decompress"}
 
 
-def test_bad_gradfuse_timeline_fails_init_naming_it(monkeypatch):
+def test_bad_gradfuse_timeline_fails_init_naming_it(monkeypatch, tmp_path):
     from gradfuse import config
     monkeypatch.setenv("GRADFUSE_TIMELINE", " ")
     with pytest.raises(ValueError, match="GRADFUSE_TIMELINE=' ': expected a file path"):
         config.validate()
+    r = _run("import gradfuse; gradfuse.init()", GRADFUSE_TIMELINE=str(tmp_path / "no" / "such" / "tl.json"))
+    assert r.returncode != 0 and "GRADFUSE_TIMELINE=" in r.stderr and "rank 0 cannot write" in r.stderr, r.stderr
 
 
 def test_horovod_timeline_env_starts_rank_0s_horovod_view_at_init(tmp_path):

@@ -241,7 +241,11 @@ def start_from_env(path, rank, size):
     with _lock:
         if path is None or _state["env"] is not None:
             return _state["env"]
-        _state["env"] = start(rank_path(path, rank, size), view="gradfuse", rank=rank)
+        where = rank_path(path, rank, size)
+        try:
+            _state["env"] = start(where, view="gradfuse", rank=rank)
+        except OSError as exc:
+            raise ValueError(f"GRADFUSE_TIMELINE={path!r}: rank {rank} cannot write {where}: {exc}") from None
     atexit.register(stop, _state["env"])
     return _state["env"]
 
