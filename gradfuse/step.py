@@ -224,15 +224,9 @@ def bucket_names(step, b):
     return [step.entry.names[int(i)] for i in step.entry.plan.order[b.lo:b.hi]]
 
 
-def _bucket_names(step, b):
-    return lambda: bucket_names(step, b)
-
-
-def _job_stage(stage, job):
-    """The timeline span of a compressed bucket's ``stage`` (its names built when recording)."""
-    b = job.bucket
-    return _tl.stage(stage, "allreduce", getattr(job, "names", ()), bucket=b.index, bytes=b.nbytes,
-                     algorithm=job.algorithm)
+def _job_stage(stage, job):      # the timeline span of a compressed bucket's stage
+    return _tl.stage(stage, "allreduce", getattr(job, "names", ()), bucket=job.bucket.index,
+                     bytes=job.bucket.nbytes, algorithm=job.algorithm)
 
 
 def pack(step, b):
@@ -308,7 +302,7 @@ def compressed_jobs(step, comm, divisor):
                           divisor=divisor, cache=entry.wire.setdefault(b.index, {}), stats=cfg.stats,
                           backend=bk)
         jobs[b.index] = job(task)
-        jobs[b.index].names = _bucket_names(step, b)      # the timeline's names (built when recording)
+        jobs[b.index].names = lambda b=b: bucket_names(step, b)     # the timeline's (built when recording)
     return jobs
 
 
