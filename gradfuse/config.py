@@ -33,7 +33,7 @@ HOROVOD_NAMES = {
 
 # Horovod 0.28.1 tuning variables gradfuse does not read: gradfuse.mxnet's init() warns
 # when one is set, so a script moved from Horovod does not lose a setting silently
-HOROVOD_UNREAD = ("HOROVOD_TIMELINE", "HOROVOD_TIMELINE_MARK_CYCLES", "HOROVOD_CYCLE_TIME",
+HOROVOD_UNREAD = ("HOROVOD_CYCLE_TIME",
                   "HOROVOD_CACHE_CAPACITY", "HOROVOD_HIERARCHICAL_ALLREDUCE", "HOROVOD_HIERARCHICAL_ALLGATHER",
                   "HOROVOD_AUTOTUNE", "HOROVOD_STALL_CHECK_DISABLE")
 
@@ -132,6 +132,30 @@ def exit_timeout_s():
     return env_seconds("GRADFUSE_EXIT_TIMEOUT_S", stall_timeout_s())
 
 
+def _path(var):
+    """A file path from ``var`` (None when unset; an empty or blank value is refused)."""
+    raw = _raw(var)
+    if raw is None:
+        return None
+    if not raw.strip():
+        raise ValueError(f"{var}={raw!r}: expected a file path (unset it to turn the timeline off)")
+    return raw
+
+
+def timeline_path():
+    """GRADFUSE_TIMELINE: where every rank writes gradfuse's timeline (a Chrome trace;
+    rank r of p > 1 writes ``<stem>.rank<r><ext>``), or None (unset: no timeline)."""
+    return _path("GRADFUSE_TIMELINE")
+
+
+def horovod_timeline():
+    """``(path or None, mark_cycles)`` from HOROVOD_TIMELINE and HOROVOD_TIMELINE_MARK_CYCLES,
+    as Horovod 0.28.1 reads them at ``init``: a path starts rank 0's Horovod-view timeline
+    at once; ``DYNAMIC`` (or unset) starts none (``start_timeline`` works either way)."""
+    path = _path("HOROVOD_TIMELINE")
+    return (None if path == "DYNAMIC" else path), env_bool("HOROVOD_TIMELINE_MARK_CYCLES", False)
+
+
 def validate():
     """Read every run-time GRADFUSE_* variable once, so a bad value fails ``init()``
     with a message naming it instead of failing later inside a collective.
@@ -141,3 +165,5 @@ def validate():
     stall_timeout_s()
     exit_timeout_s()
     env_bool("GRADFUSE_HOOKS", True)
+    timeline_path()
+    horovod_timeline()

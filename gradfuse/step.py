@@ -224,6 +224,11 @@ def bucket_names(step, b):
     return [step.entry.names[int(i)] for i in step.entry.plan.order[b.lo:b.hi]]
 
 
+def _job_stage(stage, job):      # the timeline span of a compressed bucket's stage
+    return _tl.stage(stage, "allreduce", getattr(job, "names", ()), bucket=job.bucket.index,
+                     bytes=job.bucket.nbytes, algorithm=job.algorithm)
+
+
 def pack(step, b):
     """Copy bucket ``b``'s tensors into its fusion buffer (one kernel call)."""
     t = step.tables
@@ -233,7 +238,7 @@ def pack(step, b):
 
 def reduce(step, comm, b):
     """Sum bucket ``b``'s fusion buffer across ranks, in place."""
-    with _tl.stage("reduce", "allreduce", lambda: bucket_names(step, b), bucket=b.index, bytes=b.nbytes):
+    with _tl.stage("exchange", "allreduce", lambda: bucket_names(step, b), bucket=b.index, bytes=b.nbytes):
         comm.allreduce_inplace(b.view())
 
 
@@ -251,13 +256,14 @@ def unpack(step, b, divide, size):
 def reduce_direct(step, comm, b, divide, size):
     """Sum the one large tensor of a ``direct`` bucket where it lies (no packing)."""
     i = int(step.entry.plan.order[b.lo])
-    with _tl.stage("reduce", "allreduce", (step.entry.names[i],), bucket=b.index, bytes=b.nbytes):
+    with _tl.stage("exchange", "allreduce", (step.entry.names[i],), bucket=b.index, bytes=b.nbytes):
         if step.src[b.lo] == step.dst[b.lo]:
             comm.allreduce_inplace(step.out_objs[i])
         else:
             comm.allreduce(step.in_objs[i], step.out_objs[i])
     if divide:
-        step.entry.bk.div_inplace(step.out_objs[i], step.dst[b.lo], step.entry.plan.counts[b.lo], b.code, size)
+        with _tl.stage("unpack", "allreduce", (step.entry.names[i],), bucket=b.index, bytes=b.nbytes):
+            step.entry.bk.div_inplace(step.out_objs[i], step.dst[b.lo], step.entry.plan.counts[b.lo], b.code, size)
 
 
 def compressed_jobs(step, comm, divisor):
@@ -296,6 +302,7 @@ def compressed_jobs(step, comm, divisor):
                           divisor=divisor, cache=entry.wire.setdefault(b.index, {}), stats=cfg.stats,
                           backend=bk)
         jobs[b.index] = job(task)
+        jobs[b.index].names = lambda b=b: bucket_names(step, b)     # the timeline's (built when recording)
     return jobs
 
 
@@ -355,17 +362,20 @@ def plain_velocity(step, comm, b, vel, divide, size):
 
 def compress(job):
     """Residual add, compression and the new residual of one bucket (fused kernel)."""
-    job.compress()
+    with _job_stage("compress", job):
+        job.compress()
 
 
 def exchange(job):
     """The bucket's collective: its payloads to the other ranks, theirs to this one."""
-    job.exchange()
+    with _job_stage("exchange", job):
+        job.exchange()
 
 
 def decode(job):
     """Decode-sum-divide into the outputs; the new residuals become current."""
-    job.decode()
+    with _job_stage("decompress", job):
+        job.decode()
 
 
 def check_finite(step, jobs):

@@ -127,19 +127,19 @@ def test_an_object_that_cannot_be_serialized_raises_type_error():
 
 # --- the timeline: one record set, two views ---------------------------------------------
 def _records():
-    timeline.start("/dev/null", view="horovod")
+    sink = timeline.start("/dev/null", view="horovod")
     with timeline.stage("negotiate", "allreduce", ["a", "b"]):
         pass
     rec = timeline.recorder()
     t = timeline.clock()
     rec("pack", "allreduce", ["a", "b"], t, t + 1e-6, bucket=0)
-    rec("reduce", "allreduce", lambda: ["a", "b"], t + 1e-6, t + 2e-6, bucket=0)
+    rec("reduce", "allreduce", lambda: ["a", "b"], t + 1e-6, t + 2e-6, bucket=0)    # the old name of exchange
     rec("unpack", "allreduce", ["a", "b"], t + 2e-6, t + 3e-6, bucket=0)
     with timeline.Span("allreduce", "a", 0):          # a binding's call: not in Horovod's view
         pass
-    records, state = list(timeline._state["records"]), dict(timeline._state)
-    timeline._state.update(path=None, records=[])
-    return records, state
+    records = list(timeline._state["records"][sink.begin - timeline._state["base"]:])
+    timeline.stop(sink)
+    return records, {"t0": sink.t0, "wall0": 0.0, "cycles": False, "rank": 0}
 
 
 def test_horovod_view_names_and_nesting():
@@ -153,13 +153,16 @@ def test_horovod_view_names_and_nesting():
     json.dumps(events)
 
 
-def test_gradfuse_view_is_complete_events():
+def test_gradfuse_view_is_complete_events_one_track_per_stage():
     records, state = _records()
     trace = timeline.gradfuse_trace(records, state)
-    names = [e["name"] for e in trace["traceEvents"]]
-    assert names == ["negotiate", "pack", "reduce", "unpack", "a"]
-    assert all(e["ph"] == "X" and e["dur"] >= 0 for e in trace["traceEvents"])
-    assert trace["traceEvents"][2]["args"] == {"op": "allreduce", "tensors": ["a", "b"], "count": 2, "bucket": 0}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in spans] == ["allreduce", "pack b0", "exchange b0", "unpack b0", "a"]
+    assert all(e["dur"] >= 0 and e["pid"] == 0 for e in spans)
+    assert len({e["tid"] for e in spans}) == 5             # negotiate, pack, exchange, unpack, call
+    tracks = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+    assert [tracks[e["tid"]] for e in spans] == ["negotiate", "pack", "exchange", "unpack", "call"]
+    assert spans[2]["args"] == {"op": "allreduce", "tensors": ["a", "b"], "count": 2, "bucket": 0}
 
 
 def test_timeline_is_off_until_started():

@@ -1,6 +1,7 @@
 """Basics of the binding: init and shutdown, ranks and sizes, the feature flags
 (``*_built``, ``*_enabled``), the timeline, and process sets with the communicator each
 one runs on (``_comm_of``). The module state (``_state``) lives here."""
+import atexit
 import threading
 import warnings
 
@@ -11,7 +12,7 @@ from ..runtime import context as _runtime
 from ..runtime import timeline as _timeline
 from .errors import CollectiveMismatchError
 
-_state = {"initialized": False, "ctx": None, "next_id": 1, "sets": {}}
+_state = {"initialized": False, "ctx": None, "next_id": 1, "sets": {}, "timeline": None}
 _lock = threading.Lock()
 
 
@@ -49,6 +50,11 @@ def init(comm=None, process_sets=None):
         global_process_set.process_set_id = 0
         global_process_set._comm = ctx.comm
     _warn_unread(ctx.comm.rank)
+    from .. import config
+    path, cycles = config.horovod_timeline()
+    if path is not None and _state["timeline"] is None:     # HOROVOD_TIMELINE=path, as Horovod's init
+        start_timeline(path, mark_cycles=cycles)
+        atexit.register(_stop_at_exit)
     for ps in process_sets or ():
         add_process_set(ps)
 
@@ -60,15 +66,18 @@ def _warn_unread(me):
     if unread and me == 0:
         warnings.warn(f"gradfuse.mxnet does not read {', '.join(unread)} (Horovod settings; see docs/horovod.md: "
                       f"it reads HOROVOD_FUSION_THRESHOLD, HOROVOD_STALL_CHECK_TIME_SECONDS and "
-                      f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, and start_timeline() writes Horovod's timeline)",
+                      f"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS, HOROVOD_TIMELINE and HOROVOD_TIMELINE_MARK_CYCLES)",
                       UserWarning, stacklevel=3)
 
 
 def shutdown():
     """Mark gradfuse.mxnet as shut down (``is_initialized()`` is then False).
 
-    The communication thread stays, idle; ``init()`` makes it usable again.
+    The communication thread stays, idle; ``init()`` makes it usable again. A timeline
+    still recording (``start_timeline``, ``HOROVOD_TIMELINE``) is written now.
     """
+    if _state["initialized"] and _state["timeline"] is not None:
+        stop_timeline()
     for ps in list(_state["sets"].values()):
         ps._invalidate()
     _state["sets"].clear()
@@ -178,7 +187,9 @@ def start_timeline(file_path, mark_cycles=False):
     if not file_path:
         raise ValueError("start_timeline needs a file path")
     me = rank()
-    _timeline.start(file_path, mark_cycles, view="horovod", rank=me, record=me == 0)
+    if _state["timeline"] is not None:        # a second start replaces the first (written now)
+        _timeline.stop(_state["timeline"])
+    _state["timeline"] = _timeline.start(file_path, mark_cycles, view="horovod", rank=me, record=me == 0)
 
 
 def stop_timeline():
@@ -191,7 +202,8 @@ def stop_timeline():
     GRADFUSE_STALL_WARNING_S (the stall warning's time), then warns with the collective that
     still runs and writes what was recorded."""
     _require_init()
-    if _timeline.recording():
+    sink, _state["timeline"] = _state["timeline"], None
+    if sink is not None:
         from .. import config
         from ..runtime.control import StallWarning
         limit = config.stall_warning_s()
@@ -199,7 +211,15 @@ def stop_timeline():
         if late:
             warnings.warn(f"stop_timeline: {', '.join(late)} still running after {limit:g} s; the timeline "
                           f"is written without the collectives not finished yet", StallWarning, stacklevel=2)
-    _timeline.stop()
+        _timeline.stop(sink)
+
+
+def _stop_at_exit():
+    """HOROVOD_TIMELINE's file is written at exit if nobody stopped it (no wait: the
+    communication thread may be gone)."""
+    sink, _state["timeline"] = _state["timeline"], None
+    if sink is not None:
+        _timeline.stop(sink)
 
 
 def _span(op, name):

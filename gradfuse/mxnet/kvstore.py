@@ -8,6 +8,7 @@ from .. import collectives as _coll
 from ..compressors.momentum import pipeline_momentum
 from ..compressors.policy import is_policy, rename
 from ..pipeline import Pipeline
+from . import handoff
 from .arrays import _view
 from .basics import _comm_of, _ranks_of, _span, global_process_set, init, is_initialized, rank, size
 from .errors import _wait
@@ -52,7 +53,13 @@ class KVStore(mx.kvstore.KVStoreBase):
     then on defers the keys of a pass (``Trainer._allreduce_grads``, Module's
     ``_update_params``/``_update_params_on_kvstore``) and reduces them all in one fused
     call at its last key, before the caller reads any result. Calls from anywhere else
-    are reduced before ``pushpull`` returns.
+    are handed over before ``pushpull`` returns.
+
+    Every reduction is one operation in MXNet's engine, as for the hvd ops and
+    DistributedTrainer (``handoff.reduce_group``): ``pushpull``/``push`` return at once and
+    whatever reads the results (``wait_to_read``, ``asnumpy``, the optimizer's update)
+    waits for them in MXNet's engine; an error of the collective is raised there, on every
+    rank. GPU arrays are reduced through DLPack before the call returns.
 
     ``set_gradient_compression({'type': NAME, **options})`` selects a gradfuse
     compressor (Gluon's ``compression_params``).
@@ -258,7 +265,16 @@ class KVStore(mx.kvstore.KVStoreBase):
 
     def _reduce(self, entries, store=False):
         """One fused, in-place allreduce of the (device-summed) arrays of ``entries``
-        ``(key, [arrays], [outs] or None)``; then the optimizer's update, or the copies out."""
+        ``(key, [arrays], [outs] or None)``; then the optimizer's update, or the copies out.
+
+        The allreduce is one operation in MXNet's engine (``handoff.reduce_group``, as
+        the hvd ops and DistributedTrainer do), so this returns at once: the device sum,
+        the update and the copies out are MXNet operations too, ordered after it by
+        MXNet's dependency tracking, and a reader of ``out`` waits for them. A bad array
+        raises here (on every rank); an error of the collective itself at the first wait
+        on its outputs (``wait_to_read``, ``asnumpy``, ``waitall``), on every rank.
+        GPU arrays take the DLPack path and are reduced before this returns.
+        """
         srcs, names = [], []
         for k, vs, _ in entries:
             src = vs[0]
@@ -266,12 +282,9 @@ class KVStore(mx.kvstore.KVStoreBase):
                 src += extra.as_in_context(src.context)
             srcs.append(src)
             names.append(f"kv.{k}")
-        views = [_view(s, n, device_ok=True) for s, n in zip(srcs, names)]
-        bad = [v for v in views if isinstance(v, _coll.InvalidInput)]
         with _span("pushpull", names[0]):
-            if bad:
-                _wait(_coll.refuse_async("allreduce", bad[0].error, _comm_of(self._process_set)))
-            _wait(self.pipeline.allreduce_async(views, out=views, names=names))
+            if handoff.reduce_group(self.pipeline, srcs, names) is None:
+                self._reduce_blocking(srcs, names)
         for (k, vs, outs), src in zip(entries, srcs):
             if self._updater is not None:
                 if k not in self._store:
@@ -287,6 +300,14 @@ class KVStore(mx.kvstore.KVStoreBase):
             for dst in outs or ():
                 if dst is not result:
                     dst[:] = result
+
+    def _reduce_blocking(self, srcs, names):
+        """GPU arrays: through their DLPack views, reduced before this returns."""
+        views = [_view(s, n, device_ok=True) for s, n in zip(srcs, names)]
+        bad = [v for v in views if isinstance(v, _coll.InvalidInput)]
+        if bad:
+            _wait(_coll.refuse_async("allreduce", bad[0].error, _comm_of(self._process_set)))
+        _wait(self.pipeline.allreduce_async(views, out=views, names=names))
 
 
 def _as_list(x):

@@ -3,7 +3,9 @@ communication thread (``Engine``), control plane (``Coordinator``), the GPU it s
 on this rank and the communicator that carries its GPU buffers."""
 import threading
 
+from .. import config
 from ..comm.base import Communicator
+from . import timeline
 from .control import Coordinator
 from .engine import Engine
 
@@ -23,6 +25,8 @@ class Context:
         # communicator for its buffers (made on the first GPU step)
         self.gpu_device = None
         self.gpu_comm = None
+        # GRADFUSE_TIMELINE: the first communicator's rank names the file (once per process)
+        timeline.start_from_env(config.timeline_path(), comm.rank, comm.size)
 
     def claim_device(self, dev):
         """Fix GPU ``dev`` as this rank's GPU for this communicator, or raise ValueError.
@@ -93,7 +97,6 @@ def init(comm=None, install_hooks=None):
             None (default) reads ``GRADFUSE_HOOKS`` (unset or 1: yes, 0: no).
     """
     global _default
-    from .. import config
     from . import watchdog
     config.validate()
     hooks = watchdog.hooks_enabled(install_hooks)

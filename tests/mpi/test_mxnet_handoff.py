@@ -207,6 +207,94 @@ def test_training_step_returns_before_the_late_rank_has_called(world, kind):
     world.Barrier()
 
 
+def _kv_cases(world):
+    """KVStore calls: (call, [(output, expected)])."""
+    n, s, r = world.size, _tri(world), world.rank
+    ctxs = [mx.cpu(0), mx.cpu(1)]
+
+    def one_key():
+        a = _rank_ones(world, (5,))
+        hvd.KVStore().pushpull("hk.a", a)
+        return [(a, np.full(5, s))]
+
+    def keys():
+        a, b, out = _rank_ones(world, (3,)), _rank_ones(world, (2, 2)) * 10, mx.nd.zeros((2, 2))
+        hvd.KVStore().pushpull(["hk.b", "hk.c"], [a, b], out=[a, out])
+        return [(a, np.full(3, s)), (out, np.full((2, 2), 10 * s))]
+
+    def devices():
+        vals = [mx.nd.ones((4,), ctx=c) * (r + d) for d, c in enumerate(ctxs)]
+        hvd.KVStore().pushpull("hk.d", vals)
+        return [(v, np.full(4, 2 * (s - n) + n)) for v in vals]
+
+    def update_on_store():
+        kv = hvd.KVStore(update_on_kvstore=True)
+        kv.init("hk.w", mx.nd.ones((3,)))
+        kv.set_optimizer(mx.optimizer.SGD(learning_rate=0.5, rescale_grad=1.0, wd=0.0))
+        out = mx.nd.zeros((3,))
+        kv.pushpull("hk.w", _rank_ones(world, (3,)), out=out)
+        return [(out, np.full(3, 1.0 - 0.5 * s))]
+    return {"one key": one_key, "keys": keys, "two devices": devices, "update on the store": update_on_store}
+
+
+@pytest.mark.parametrize("case", ["one key", "keys", "two devices", "update on the store"])
+def test_kvstore_pushpull_returns_before_the_late_rank_has_called(world, case):
+    """The dist_gradfuse KVStore's pushpull goes through the same hand-off: it returns at
+    once; the device sum, the store's update and the copies out wait in MXNet's engine."""
+    if world.size == 1:
+        pytest.skip("needs two ranks")
+    fn = _kv_cases(world)[case]
+    mx.nd.waitall()
+    world.Barrier()
+    if _late(world):
+        time.sleep(DELAY)
+    t0 = time.perf_counter()
+    pairs = fn()
+    t_call = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for o, _ in pairs:
+        o.wait_to_read()
+    t_wait = time.perf_counter() - t0
+    for o, want in pairs:
+        np.testing.assert_array_equal(o.asnumpy(), want)
+    if not _late(world):
+        assert t_call < QUICK, f"{case}: pushpull took {t_call:.3f} s while a rank was {DELAY} s late"
+        assert t_wait > DELAY / 2, f"{case}: the output was ready after {t_wait:.3f} s, before the late rank"
+    world.Barrier()
+
+
+def test_trainer_step_through_the_kvstore_returns_before_the_late_rank_has_called(world):
+    """gluon.Trainer(kvstore='dist_gradfuse'): after the first step (the store learns the
+    key sequence), step() returns at once; the parameters are those of the summed gradients."""
+    if world.size == 1:
+        pytest.skip("needs two ranks")
+    net = _mlp("hand_kv_")
+    params = net.collect_params()
+    trainer = gluon.Trainer(params, "sgd", {"learning_rate": 0.1}, kvstore="dist_gradfuse")
+    x = mx.nd.ones((2, 8)) * (world.rank + 1)
+    for step in range(3):
+        with autograd.record():
+            loss = net(x).sum()
+        loss.backward()
+        _, t_call = _timed_call(world, lambda: trainer.step(2 * world.size))
+        ws = [p.data().asnumpy() for p in params.values()]
+        if step and not _late(world):
+            assert t_call < QUICK, f"step() took {t_call:.3f} s while a rank was {DELAY} s late"
+    got = np.concatenate([w.ravel() for w in ws])
+    np.testing.assert_array_equal(world.allgather(got)[0], got)
+    ref = _mlp("ref_kv_")
+    tr = gluon.Trainer(ref.collect_params(), "sgd", {"learning_rate": 0.1}, kvstore=None)
+    xs = mx.nd.concat(*[mx.nd.ones((2, 8)) * (k + 1) for k in range(world.size)], dim=0)
+    for _ in range(3):
+        with autograd.record():
+            loss = ref(xs).sum()
+        loss.backward()
+        tr.step(2 * world.size)
+    want = np.concatenate([p.data().asnumpy().ravel() for p in ref.collect_params().values()])
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    world.Barrier()
+
+
 def test_an_engine_error_reaches_every_rank_at_wait_to_read_and_the_next_call_matches(world):
     """A mismatch only the negotiation finds (every rank's own checks pass): each rank's
     call returns, and the error is rethrown by MXNet at wait_to_read() on every rank, as

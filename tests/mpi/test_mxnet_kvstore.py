@@ -74,7 +74,7 @@ def test_pushpull_and_broadcast_directly(world):
     np.testing.assert_array_equal(a.asnumpy(), np.full(3, total))
     np.testing.assert_array_equal(b.asnumpy(), np.full((2, 2), 10 * total))
     out = mx.nd.zeros((3,))
-    kv.pushpull("c", mx.nd.ones((3,)), out=out)  # outside the Trainer: done on return
+    kv.pushpull("c", mx.nd.ones((3,)), out=out)  # outside the Trainer: pushed at once, asnumpy waits
     np.testing.assert_array_equal(out.asnumpy(), np.full(3, world.size))
     v = mx.nd.ones((4,)) * world.rank
     outs = [mx.nd.zeros((4,)), mx.nd.zeros((4,))]
