@@ -64,7 +64,8 @@ class CompressionState:
     """
 
     __slots__ = ("compress", "momentum", "start_iter", "comm", "iteration", "calls", "layout_changes",
-                 "_opts", "_names", "_pipes", "_retired", "_warned", "_lock", "_finisher", "_plain")
+                 "_opts", "_names", "_pipes", "_retired", "_warned", "_lock", "_finisher", "_plain",
+                 "last_error")
 
     def __init__(self, compress="1bit", process_group=None, *, momentum=0.0, start_iter=0, module=None,
                  min_elements=0, nonfinite="raise", **options):
@@ -89,6 +90,9 @@ class CompressionState:
         self._pipes = {}
         self._retired = Stats()       # counters of the pipelines dropped so far
         self._warned = False
+        # DDP re-raises a hook's error as a RuntimeError carrying its message; the original
+        # (a NonFiniteError, a MismatchError, ...) stays here, for code that must tell them apart
+        self.last_error = None
         self._lock = threading.Lock()
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="gradfuse-ddp-hook")
 
@@ -224,6 +228,7 @@ class CompressionState:
             try:
                 handle.wait()
             except BaseException as exc:       # DDP re-raises it in backward's finalization
+                self.last_error = exc
                 fut.set_exception(exc)
             else:
                 fut.set_result(buf)
