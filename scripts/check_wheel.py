@@ -105,11 +105,17 @@ def check_contents(wheel, root):
 
 def import_everything():
     import importlib
+    import importlib.util
     import pkgutil
     import gradfuse
     failed, done = [], 0
     for m in pkgutil.walk_packages(gradfuse.__path__, "gradfuse."):
         if m.name.endswith("__main__"):
+            continue
+        # the torch binding is an optional extra: its modules import where torch is installed
+        if m.name.startswith("gradfuse.torch") and importlib.util.find_spec("torch") is None:
+            continue
+        if m.name == "gradfuse.torch.lightning" and importlib.util.find_spec("pytorch_lightning") is None:
             continue
         try:
             importlib.import_module(m.name)

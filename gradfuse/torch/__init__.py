@@ -1,0 +1,15 @@
+"""gradfuse in PyTorch: a DDP communication hook with every gradfuse compressor.
+
+    import gradfuse.torch
+    state = gradfuse.torch.CompressionState("1bit", momentum=0.9, module=model)
+    ddp.register_comm_hook(state, gradfuse.torch.comm_hook)
+
+It runs under ``torchrun`` alone (no MPI, no ``gradfuse.init()``): the exchange goes
+through ``torch.distributed`` on DDP's process group (``TorchCommunicator``). PyTorch
+Lightning: ``gradfuse.torch.lightning.GradfuseDDPStrategy`` (docs/torch.md).
+"""
+from .comm import TorchCommunicator
+from .hook import CompressionState, comm_hook
+from .launch import init_process_group
+
+__all__ = ["CompressionState", "TorchCommunicator", "comm_hook", "init_process_group"]

@@ -1,0 +1,171 @@
+"""A gradfuse ``Communicator`` over ``torch.distributed``.
+
+The data plane runs on the given process group (DDP's, by default the world group):
+every numpy buffer gradfuse hands it is wrapped without a copy (``torch.from_numpy``) and
+moved by torch's own collectives (gloo on CPU). The control plane (the per-step
+agreement of ``gradfuse.runtime.control``) runs on a gloo group of the same ranks made
+for it here, so gradfuse's small messages never match a user's own sends, and a NCCL
+data group still gets a CPU control channel.
+
+Made collectively: every rank of the group must construct it (``dist.new_group``).
+"""
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..comm.base import Communicator
+
+_FMT16 = {1: torch.float16, 2: torch.bfloat16}
+# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _tensor(arr):
+    """A zero-copy flat torch view of a contiguous numpy array (the caller's memory)."""
+    if not arr.flags.c_contiguous:
+        raise ValueError("torch communicator: buffers must be C-contiguous")
+    return torch.from_numpy(arr.reshape(-1))
+
+
+def _bytes(arr):
+    """The same, as bytes (the payload collectives move raw bytes)."""
+    return _tensor(arr.reshape(-1).view(np.uint8))
+
+
+class _Gather:
+    """Variable-length bytes from every rank: sizes first, then the padded data (two async steps)."""
+
+    def __init__(self, comm, data):
+        self.comm = comm
+        self.data = bytes(data)
+        self.sizes = torch.zeros(comm.size, dtype=torch.int64)
+        mine = torch.tensor([len(self.data)], dtype=torch.int64)
+        self.work = _all_gather(self.sizes, mine, group=comm.ctl, async_op=True)
+        self.stage = 0
+        self.out = None
+
+    def test(self):
+        if not _done(self.work):
+            return False
+        if self.stage == 0:
+            self.stage = 1
+            width = max(1, int(self.sizes.max()))
+            send = torch.zeros(width, dtype=torch.uint8)
+            if self.data:
+                send[:len(self.data)] = torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
+            self.out = torch.empty(width * self.comm.size, dtype=torch.uint8)
+            self.width = width
+            self.work = _all_gather(self.out, send, group=self.comm.ctl, async_op=True)
+            return self.test()
+        return True
+
+    def result(self):
+        raw = self.out.numpy().tobytes()
+        return [raw[r * self.width:r * self.width + int(s)] for r, s in enumerate(self.sizes.tolist())]
+
+
+def _done(work):
+    if isinstance(work, Future):
+        if work.done():
+            work.result()       # raises the wait's error, if it had one
+            return True
+        return False
+    if work.is_completed():
+        work.wait()             # raises the collective's error, if it had one
+        return True
+    return False
+
+
+class TorchCommunicator(Communicator):
+    """gradfuse's communicator contract on a ``torch.distributed`` process group.
+
+    Args:
+        process_group: the group to reduce on (None: the default world group, which
+            ``dist.init_process_group`` must have made).
+
+    Example:
+        >>> dist.init_process_group("gloo")
+        >>> pipe = gradfuse.Pipeline(compress="1bit", comm=TorchCommunicator())
+    """
+
+    kind = "torch"
+    devices = ("cpu",)          # CUDA tensors through DLPack are not wired (untested without a GPU)
+
+    def __init__(self, process_group=None):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("gradfuse.torch: torch.distributed is not initialized; call "
+                               "torch.distributed.init_process_group (torchrun sets its environment)")
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.size = dist.get_world_size(self.group)
+        ranks = dist.get_process_group_ranks(self.group)
+        self.ctl = dist.new_group(ranks=ranks, backend="gloo")
+        self._global = ranks          # group rank -> global rank (point-to-point takes global ranks)
+        # gloo's send/recv works say they are complete only once wait() returned, so they are
+        # waited for on these threads and polled through a Future (one thread per peer)
+        self._waiters = ThreadPoolExecutor(max(1, self.size - 1), thread_name_prefix="gradfuse-torch-ctl")
+        # torchrun's environment names the node layout; without it, one host is assumed
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
+        self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.size))
+        self.cross_rank = self.rank // max(1, self.local_size)
+        self.cross_size = max(1, self.size // max(1, self.local_size))
+
+    # --- data plane (the communication thread) ------------------------------------
+    def allreduce_inplace(self, arr):
+        dist.all_reduce(_tensor(arr), group=self.group)
+        return arr
+
+    def allreduce(self, src, dst):
+        np.copyto(dst, src)
+        return self.allreduce_inplace(dst)
+
+    def allreduce16(self, buf, fmt):
+        """fp16 (fmt 1) / bf16 (fmt 2) words summed by the backend (gloo: each pairwise add in
+        float32, rounded once)."""
+        dist.all_reduce(torch.from_numpy(buf.reshape(-1)).view(_FMT16[fmt]), group=self.group)
+        return buf
+
+    def bcast(self, arr, root):
+        dist.broadcast(_bytes(arr), src=self._global[root], group=self.group)
+        return arr
+
+    def allgather(self, src, dst):
+        _all_gather(_bytes(dst), _bytes(src), group=self.group)
+        return dst
+
+    def alltoall(self, src, dst):
+        dist.all_to_all_single(_bytes(dst), _bytes(src), group=self.group)
+        return dst
+
+    # --- control plane ---------------------------------------------------------------
+    def ctl_isend(self, data, dest):
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        work = dist.isend(buf, self._global[dest], group=self.ctl, tag=7)
+        return self._waiters.submit(lambda: (work.wait(), buf))
+
+    def ctl_irecv(self, buf, source):
+        t = torch.frombuffer(buf, dtype=torch.uint8)
+        work = dist.irecv(t, self._global[source], group=self.ctl, tag=7)
+        return self._waiters.submit(lambda: (work.wait(), t))
+
+    def ctl_ibcast(self, buf, root):
+        return dist.broadcast(torch.frombuffer(buf, dtype=torch.uint8), src=self._global[root], group=self.ctl,
+                              async_op=True)
+
+    def ctl_iallgather_bytes(self, data):
+        return _Gather(self, data)
+
+    @staticmethod
+    def test(request):
+        if isinstance(request, _Gather):
+            return request.test()
+        return _done(request)
+
+    def abort(self, code=1):
+        os._exit(code)          # torch.distributed has no job-wide abort; the launcher ends the others
+
+    def describe(self):
+        return f"torch.distributed ({dist.get_backend(self.group)}) communicator, rank {self.rank} of {self.size}"
