@@ -65,14 +65,18 @@ class Stats:
 class StepConfig:
     """What every step of one pipeline shares: its runtime context, compressors (a
     ``LayerPolicy``: a bucket's ``group`` indexes its ``compressors``), averaging rule,
-    compression state (residuals, step counter), counters, and what a compressed step
-    with NaN/Inf does (``nonfinite``: "raise" or "skip")."""
+    compression state (residuals, step counter), counters, what a compressed step
+    with NaN/Inf does (``nonfinite``: "raise" or "skip") and the link the cost model
+    assumes (``link``: None for its default)."""
 
-    __slots__ = ("ctx", "compressor", "average", "state", "stats", "nonfinite")
+    __slots__ = ("ctx", "compressor", "average", "state", "stats", "nonfinite", "link", "only_if_faster")
 
-    def __init__(self, ctx, compressor, average, state, stats, nonfinite="raise"):
+    def __init__(self, ctx, compressor, average, state, stats, nonfinite="raise", link=None,
+                 only_if_faster=False):
         self.ctx, self.compressor, self.average = ctx, compressor, average
         self.state, self.stats, self.nonfinite = state, stats, nonfinite
+        self.link = link          # the cost model's link (gradfuse.compressors.cost.Link), or None
+        self.only_if_faster = only_if_faster      # Pipeline(uncompressed_if_faster=True)
 
     def step_tag(self):
         """What of the compressor state the ranks must agree on: its step counter (it drives
@@ -287,7 +291,7 @@ def compressed_jobs(step, comm, divisor):
         # the tensors' element counts: per-tensor formats (1-bit blocks, top-k/random-k's k
         # per tensor) depend on them, and every rank has the same
         counts = tuple(cnt[b.lo:b.hi].tolist())
-        job = job_class(comp, b.count, comm.size)
+        job = job_class(comp, b.count, comm.size, link=cfg.link, counts=counts)
         n_res, n_server = job.residual_sizes(comp, b.count, comm, counts=counts)
         residual = state.bucket((entry.state_key, b.index), n_res, n_server, job.algorithm, bk,
                                 velocity=b.count if with_velocity else 0)

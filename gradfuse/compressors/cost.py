@@ -43,7 +43,7 @@ constants, options and sizes on every rank), so every rank makes the same choice
 """
 import math
 
-__all__ = ["Link", "Rates", "LINKS", "RATES", "link_from", "payload_bytes", "bytes_per_rank", "predict",
+__all__ = ["Link", "Rates", "LINKS", "DEFAULT_LINK", "RATES", "link_from", "payload_bytes", "bytes_per_rank", "predict",
            "best", "crossover"]
 
 GBIT = 1e9 / 8
@@ -74,6 +74,9 @@ class Link:
 
 #: Presets (latency: one message step of a TCP link through a switch).
 LINKS = {"1gbit": Link(1 * GBIT, 50e-6), "10gbit": Link(10 * GBIT, 20e-6), "100gbit": Link(100 * GBIT, 5e-6)}
+
+#: The link ``algorithm="auto"`` assumes when the pipeline is not told one (``Pipeline(link_bandwidth=...)``).
+DEFAULT_LINK = LINKS["10gbit"]
 
 _UNITS = {"gbit": GBIT, "mbit": GBIT / 1000, "gb": 1e9, "mb": 1e6, "b": 1.0}
 
