@@ -38,6 +38,7 @@ import numpy as np
 from . import config
 from . import dtypes as _dt
 from .compressors import cost
+from .compressors import momentum as _momentum
 from .compressors.policy import LayerPolicy
 from .compressors.state import CompressionState, load_npz, save_npz
 from .fusion import tables
@@ -142,6 +143,10 @@ class Pipeline:
             raise ValueError("uncompressed_if_faster=True needs link_bandwidth (e.g. '1gbit'): the cost model "
                              "compares compressed and fp32 exchanges on that link")
         self._uncompressed_if_faster = bool(uncompressed_if_faster)
+        if self._uncompressed_if_faster and _momentum.pipeline_momentum(self._policy):
+            raise ValueError("uncompressed_if_faster=True cannot be combined with momentum (DGC's momentum "
+                             "correction): a bucket switching to uncompressed would have to move its "
+                             "residual into the velocity path, which gradfuse does not do")
         self._lock = threading.Lock()
         self._ctx = runtime.context(comm)
         self.comm = self._ctx.comm
@@ -255,6 +260,16 @@ class Pipeline:
             opts["uncompressed_if_faster"] = True
         return opts
 
+    def _state_options(self):
+        """What keys a plan's residuals: ``_options()`` without the link and the opt-in
+        policy, which choose collectives but not the bucket layout, so a checkpoint
+        restores into a pipeline told another link (a residual whose server part no
+        longer fits starts from zero, with a warning)."""
+        opts = self._options()
+        opts.pop("link", None)
+        opts.pop("uncompressed_if_faster", None)
+        return opts
+
     def _request_options(self, device):
         """The options every rank's request must agree on (a binding may phrase them as its
         other collectives do, so that a mismatch between the two names the option)."""
@@ -304,7 +319,7 @@ class Pipeline:
                           alloc=bk.empty_bytes, groups=groups)
         dtypes = [_dt.name(c) for c in codes]
         request = Request("allreduce", names, shapes, dtypes, self._request_options(bk.device))
-        state_key = Request("allreduce", names, shapes, dtypes, self._options()).digest.hex()
+        state_key = Request("allreduce", names, shapes, dtypes, self._state_options()).digest.hex()
         entry = CachedPlan(plan, request, names, shapes, codes, bk, state_key)
         entry.used = self._calls
         self._plans[key] = entry

@@ -24,7 +24,8 @@ import numpy as np
 from . import dtypes as _dt
 from .compressors import momentum as _momentum
 from .compressors.base import BucketContext
-from .compressors.jobs import BucketTask, job_class, ring_bytes
+from .compressors import cost
+from .compressors.jobs import BucketTask, job_class, ring_bytes, twophase_chunk
 from .errors import NonFiniteError
 from .fusion.staging import F16, staging
 from .fusion.tables import as_ndarray
@@ -94,11 +95,12 @@ class Step:
     """
 
     __slots__ = ("cfg", "entry", "src", "dst", "tables", "in_objs", "out_objs", "result", "ready",
-                 "inplace", "staged", "deferred", "io")
+                 "inplace", "staged", "deferred", "io", "unpaid")
 
     def __init__(self, cfg, entry, inputs, outputs):
         self.cfg, self.entry = cfg, entry
         self.staged = {}          # bucket index -> float32 Staging of a compressed float16 bucket
+        self.unpaid = set()       # buckets Pipeline(uncompressed_if_faster=True) runs uncompressed
         self.deferred = inputs.deferred
         self.result, self.ready = outputs.result, outputs.ready
         if self.deferred is None:
@@ -194,6 +196,8 @@ class Step:
                 continue
             if vel and b.code in COMPRESSIBLE:
                 plain_velocity(self, comm, b, vel, divide, size)
+            elif b.index in self.unpaid:
+                uncompressed(self, comm, b, divide, size)
             elif b.direct:
                 reduce_direct(self, comm, b, divide, size)
             else:
@@ -292,6 +296,10 @@ def compressed_jobs(step, comm, divisor):
         # per tensor) depend on them, and every rank has the same
         counts = tuple(cnt[b.lo:b.hi].tolist())
         job = job_class(comp, b.count, comm.size, link=cfg.link, counts=counts)
+        if cfg.only_if_faster and b.code == _F32 and not pays(comp, job.algorithm, b.count, comm.size, cfg.link,
+                                                               counts):
+            step.unpaid.add(b.index)      # after check_finite, with its residual (uncompressed())
+            continue
         n_res, n_server = job.residual_sizes(comp, b.count, comm, counts=counts)
         residual = state.bucket((entry.state_key, b.index), n_res, n_server, job.algorithm, bk,
                                 velocity=b.count if with_velocity else 0)
@@ -301,6 +309,52 @@ def compressed_jobs(step, comm, divisor):
                           backend=bk)
         jobs[b.index] = job(task)
     return jobs
+
+
+def pays(comp, algorithm, n, p, link, counts):
+    """Whether the cost model predicts the compressed exchange faster than the fp32 ring."""
+    return cost.predict(comp, algorithm, n, p, link, counts=counts) < cost.predict("none", "ring", n, p, link)
+
+
+def uncompressed(step, comm, b, divide, size):
+    """A float32 bucket that ``uncompressed_if_faster`` runs uncompressed. A residual it kept
+    while compressed (or restored from a checkpoint) joins this rank's addend and is
+    dropped, so nothing of it is lost: the sum is that of ``g + e`` over the ranks. A
+    two-phase server residual (in averaged units) joins as ``divisor x e_s`` on the rank
+    that served that chunk. Runs after ``check_finite``, so a skipped step keeps them."""
+    cfg, entry, bk = step.cfg, step.entry, step.entry.bk
+    taken = cfg.state.take_residual((entry.state_key, b.index), bk)
+    if taken is None:
+        if b.direct:
+            reduce_direct(step, comm, b, divide, size)
+        else:
+            pack(step, b)
+            reduce(step, comm, b)
+            unpack(step, b, divide, size)
+        return
+    e, es = taken
+
+    def add_residuals(flat):           # (g + e), then + divisor x e_s on the server's chunk
+        flat += e
+        if es.size:
+            counts = tuple(step.tables.counts[b.lo:b.hi].tolist())
+            e0, e1 = twophase_chunk(counts, comm.size, cfg.compressor.compressors[b.group].block, comm.rank)
+            flat[e0:e1] += es * bk.xp.float32(size if divide else 1.0)
+
+    if b.direct:
+        i = int(entry.plan.order[b.lo])
+        out = step.out_objs[i]
+        if step.src[b.lo] != step.dst[b.lo]:
+            out[...] = step.in_objs[i]
+        add_residuals(out.reshape(-1))
+        comm.allreduce_inplace(out)
+        if divide:
+            bk.div_inplace(out, step.dst[b.lo], entry.plan.counts[b.lo], b.code, size)
+        return
+    pack(step, b)
+    add_residuals(bk.xp.asarray(b.buffer).view(np.float32))
+    reduce(step, comm, b)
+    unpack(step, b, divide, size)
 
 
 def velocity_of(step):

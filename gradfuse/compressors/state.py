@@ -136,6 +136,23 @@ class CompressionState:
             st.algorithm = algorithm
         return st
 
+    def take_residual(self, key, bk):
+        """Remove bucket ``key``'s residuals and return ``(residual, server residual)`` as
+        float32 arrays in ``bk``'s memory (the caller may overwrite them), or None if it has
+        none: the bucket now runs uncompressed and its residual goes into that sum. A
+        restored, not yet claimed residual is taken too."""
+        st = self.buckets.pop(key, None)
+        if st is not None:
+            if not st.cur.size and not st.server_cur.size:
+                return None
+            return st.cur, st.server_cur
+        saved = self.pending.pop(key, None)
+        if saved is None or not (saved["residual"].size or saved["server_residual"].size):
+            return None
+        self._claimed_any = True
+        return (bk.xp.array(saved["residual"], dtype=np.float32),
+                bk.xp.array(saved["server_residual"], dtype=np.float32))
+
     def scale_velocity(self, factor):
         """Multiply every velocity by ``factor`` at its bucket's next velocity update (folded
         into the momentum there: ``u = (m * factor) * u + g``, one rounding of the product).

@@ -403,3 +403,74 @@ def test_randomk_allreduce_names_the_rank_with_nonfinite_values(world):
 def comp_algorithm(name, opts, p):
     comp = create(name, **opts)
     return comp.algorithm_for(11961, p) if name == "1bit" else "allgather"
+
+
+@pytest.mark.parametrize("name,opts", [("1bit", {"algorithm": "allgather"}), ("1bit", {"algorithm": "twophase"}),
+                                       ("topk", {"ratio": 0.1})])
+def test_uncompressed_if_faster_flushes_the_residual_into_the_sum(world, name, opts):
+    """A bucket that the opt-in policy switches to uncompressed adds its residual (and a
+    two-phase server residual, times the divisor, on the rank that served it) into this
+    rank's addend and drops it: the result is the mean of g + e, nothing is lost."""
+    p = world.size
+    a = gradfuse.Pipeline(compress=name, fusion_threshold=ONE_BUCKET, **opts)
+    for step in range(2):
+        a.allreduce(grads_for(world.rank, step))
+    sd = a.state_dict()
+    # a link so fast (and no latency) that no compressor pays: every bucket goes uncompressed
+    b = gradfuse.Pipeline(compress=name, fusion_threshold=ONE_BUCKET, link_bandwidth="100GB", link_latency=0.0,
+                          uncompressed_if_faster=True, **opts)
+    assert b.load_state_dict(sd)
+    g = grads_for(world.rank, 2)
+    got = np.concatenate(list(b.allreduce(g).values()))
+    (bucket,) = sd["buckets"].values()
+    mine = np.concatenate(list(g.values())) + bucket["residual"]
+    if bucket["server_residual"].size:
+        e0, e1 = twophase_chunk(SIZES, p, create(name, **opts).block, world.rank)
+        mine[e0:e1] += bucket["server_residual"] * np.float32(p)
+    everyone = world.allgather(mine)
+    acc = everyone[0].copy()
+    for x in everyone[1:]:
+        acc += x
+    want = acc / np.float32(p)
+    if p <= 2:
+        assert bits(got) == bits(want)
+    else:                       # the MPI library's summation order
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    assert b.state_dict()["buckets"] == {} and b.state_dict()["step"] == 3
+    assert b.stats.bytes_sent == 2 * 4 * sum(SIZES) * (p - 1) // p
+    # on a slow link the same policy keeps compressing: the same bits as without it
+    slow = gradfuse.Pipeline(compress=name, fusion_threshold=ONE_BUCKET, link_bandwidth="1gbit",
+                             uncompressed_if_faster=True, **opts)
+    plain = gradfuse.Pipeline(compress=name, fusion_threshold=ONE_BUCKET, link_bandwidth="1gbit", **opts)
+    for step in range(2):
+        x, y = slow.allreduce(grads_for(world.rank, step)), plain.allreduce(grads_for(world.rank, step))
+        assert all(bits(x[k]) == bits(y[k]) for k in x)
+    assert slow.stats.bytes_sent == plain.stats.bytes_sent < 2 * 2 * 4 * sum(SIZES)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_uncompressed_if_faster_flushes_a_direct_tensor(world, inplace):
+    """The same for a tensor reduced where it lies (a ``direct`` bucket), in and out of place."""
+    p = world.size
+    make = lambda s: {"w": np.random.default_rng([world.rank, s]).standard_normal(3000).astype(np.float32)}  # noqa: E731
+    a = gradfuse.Pipeline(compress="1bit", direct_threshold=0, algorithm="allgather")
+    a.allreduce(make(0))
+    sd = a.state_dict()
+    b = gradfuse.Pipeline(compress="1bit", direct_threshold=0, algorithm="allgather", link_bandwidth="100GB",
+                          link_latency=0.0, uncompressed_if_faster=True)
+    assert b.load_state_dict(sd)
+    g = make(1)
+    (bucket,) = sd["buckets"].values()
+    everyone = world.allgather(g["w"] + bucket["residual"])
+    acc = everyone[0].copy()
+    for x in everyone[1:]:
+        acc += x
+    want = acc / np.float32(p)
+    before = g["w"].copy()
+    got = b.allreduce_(g)["w"] if inplace else b.allreduce(g)["w"]
+    if not inplace:
+        assert bits(g["w"]) == bits(before)          # the input is left alone
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    if p <= 2:
+        assert bits(got) == bits(want)
+    assert b.state_dict()["buckets"] == {}
