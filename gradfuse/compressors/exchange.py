@@ -207,7 +207,9 @@ class AllreduceJob(BucketJob):
         if buf is None or buf.size != self.n:
             buf = bk.empty_bytes(2 * self.n).view(np.uint16)
             self.cache["buf16"] = buf
-        prescale = float(self.comm.size) if self.comp.options.get("predivide") and self.divisor != 1.0 else 1.0
+        self.native = self.comp.native_sum(self.comm)
+        predivide = self.comp.options.get("predivide") or self.native
+        prescale = float(self.comm.size) if predivide and self.divisor != 1.0 else 1.0
         e_in, e_out = self.residuals()
         if e_in.size or not self.fused():
             g = bk.gather_f32(self.src, self.n)
@@ -224,7 +226,7 @@ class AllreduceJob(BucketJob):
 
     def exchange(self):
         bk, buf = self.bk, self.buf
-        self.comm.allreduce16(buf, self.comp.fmt)
+        self.comm.allreduce16(buf, self.comp.fmt, native=self.native)
         p = self.comm.size
         self.stats.bytes_sent += ring_bytes(2 * self.n, p)
         mask = self.comp.nonfinite_mask()

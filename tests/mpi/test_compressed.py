@@ -474,3 +474,31 @@ def test_uncompressed_if_faster_flushes_a_direct_tensor(world, inplace):
     if p <= 2:
         assert bits(got) == bits(want)
     assert b.state_dict()["buckets"] == {}
+
+
+def test_fp16_native_sum_predivides_and_asks_for_the_native_sum(world):
+    """``sum16="nccl"``: on a communicator with a native 16-bit sum (NCCL; here an MPI
+    stand-in that records the call and sums exactly) every rank divides by p before the
+    cast, as DDP's fp16 hook does, so the result is ``predivide=True``'s; on a communicator
+    without one (MPI) it is the default exact sum, bit for bit."""
+    from gradfuse.comm.mpi import MPICommunicator
+
+    class NativeStandIn(MPICommunicator):
+        native_sum16 = True
+        calls = []
+
+        def allreduce16(self, buf, fmt, native=False):
+            self.calls.append(native)
+            return super().allreduce16(buf, fmt)
+
+    stand_in = NativeStandIn(world)
+    g = {k: v * 100 for k, v in grads_for(world.rank, 0).items()}
+    native = gradfuse.Pipeline(compress="fp16", sum16="nccl", comm=stand_in).allreduce(g)
+    pre = gradfuse.Pipeline(compress="fp16", predivide=True).allreduce(g)
+    assert all(bits(native[k]) == bits(pre[k]) for k in g)
+    assert stand_in.calls and all(stand_in.calls)
+    on_mpi = gradfuse.Pipeline(compress="fp16", sum16="nccl").allreduce(g)
+    exact = gradfuse.Pipeline(compress="fp16").allreduce(g)
+    assert all(bits(on_mpi[k]) == bits(exact[k]) for k in g)
+    with pytest.raises(ValueError, match="option 'sum16' must be 'exact' or 'nccl'"):
+        gradfuse.Pipeline(compress="bf16", sum16="fast")
