@@ -24,8 +24,7 @@ import numpy as np
 from . import dtypes as _dt
 from .compressors import momentum as _momentum
 from .compressors.base import BucketContext
-from .compressors import cost
-from .compressors.jobs import BucketTask, job_class, ring_bytes, twophase_chunk
+from .compressors.jobs import BucketTask, inputs_finite, job_class, pays, ring_bytes, twophase_chunk
 from .errors import NonFiniteError
 from .fusion.staging import F16, staging
 from .fusion.tables import as_ndarray
@@ -183,6 +182,10 @@ class Step:
             for job in jobs.values():
                 if vel:
                     velocity(job, vel)
+            if any(j.state.in_place for j in jobs.values()) and not inputs_finite(jobs, comm):
+                for job in jobs.values():
+                    job.state.spare()     # a step that may be refused keeps its residuals: spares
+            for job in jobs.values():
                 compress(job)
                 exchange(job)
             if jobs:
@@ -302,18 +305,14 @@ def compressed_jobs(step, comm, divisor):
             continue
         n_res, n_server = job.residual_sizes(comp, b.count, comm, counts=counts)
         residual = state.bucket((entry.state_key, b.index), n_res, n_server, job.algorithm, bk,
-                                velocity=b.count if with_velocity else 0)
+                                velocity=b.count if with_velocity else 0,
+                                single=bk.device == "cpu" and not with_velocity)
         task = BucketTask(comm=comm, compressor=comp, bucket=b, src=src, dst=dst, residual=residual,
                           ctx=BucketContext(bucket=b.index, step=state.step, device=bk.device, counts=counts),
                           divisor=divisor, cache=entry.wire.setdefault(b.index, {}), stats=cfg.stats,
                           backend=bk)
         jobs[b.index] = job(task)
     return jobs
-
-
-def pays(comp, algorithm, n, p, link, counts):
-    """Whether the cost model predicts the compressed exchange faster than the fp32 ring."""
-    return cost.predict(comp, algorithm, n, p, link, counts=counts) < cost.predict("none", "ring", n, p, link)
 
 
 def uncompressed(step, comm, b, divide, size):
@@ -435,6 +434,11 @@ def check_finite(step, jobs):
         return True
     cfg, entry = step.cfg, step.entry
     cfg.stats.nonfinite_steps += 1
+    lost = [j for j in jobs.values() if j.state.in_place]
+    for j in jobs.values():
+        if j in lost:           # finite inputs that overflowed in place (g + e, a server's sum)
+            j.state.zero()
+        j.state.release()
     if cfg.nonfinite == "skip":
         return False
     cfg.stats.failed_steps += 1
@@ -446,8 +450,11 @@ def check_finite(step, jobs):
         parts.append(f"bucket {j.bucket.index} (tensors {', '.join(repr(x) for x in names)}"
                      f"{', ...' if j.bucket.hi - j.bucket.lo > 4 else ''}): non-finite values {who}"
                      f"{'; ' + j.nonfinite_detail if j.nonfinite_detail else ''}")
+    kept = ("the residuals are unchanged" if not lost else
+            f"the residuals of {len(lost)} bucket(s) were reset to zero (finite inputs overflowed float32 "
+            f"in their in-place update)")
     raise NonFiniteError(f"{cfg.compressor.name}: NaN/Inf in the step's gradients; the step was refused on "
-                         f"every rank, no result was written and the residuals are unchanged: "
+                         f"every rank, no result was written and {kept}: "
                          + "; ".join(parts))
 
 

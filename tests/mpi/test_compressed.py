@@ -502,3 +502,49 @@ def test_fp16_native_sum_predivides_and_asks_for_the_native_sum(world):
     assert all(bits(on_mpi[k]) == bits(exact[k]) for k in g)
     with pytest.raises(ValueError, match="option 'sum16' must be 'exact' or 'nccl'"):
         gradfuse.Pipeline(compress="bf16", sum16="fast")
+
+
+def test_host_residuals_are_single_buffered_and_spared_only_for_a_bad_step(world):
+    """On the host a residual is one buffer, updated in place once every rank's inputs are
+    known finite; a step with NaN/Inf gets a spare for that step (the residual stays as it
+    was), and the spare is dropped afterwards."""
+    pipe = gradfuse.Pipeline(compress="1bit", fusion_threshold=512, algorithm="twophase" if world.size > 2 else "auto")
+    for step in range(2):
+        pipe.allreduce(grads_for(world.rank, step))
+    states = list(pipe.state.buckets.values())
+    assert states and all(st.single and st.nxt is st.cur and st.server_nxt is st.server_cur for st in states)
+    before = pipe.state_dict()
+    g = grads_for(world.rank, 2)
+    if world.rank == 0:
+        g["t0"][3] = np.inf
+    with pytest.raises(NonFiniteError, match="the residuals are unchanged"):
+        pipe.allreduce(g)
+    after = pipe.state_dict()
+    for key, b in before["buckets"].items():
+        assert bits(after["buckets"][key]["residual"]) == bits(b["residual"])
+        assert bits(after["buckets"][key]["server_residual"]) == bits(b["server_residual"])
+    assert all(st.nxt is st.cur for st in pipe.state.buckets.values())
+    # a sum that overflows (finite, huge terms) only costs that step its in-place update
+    big = {"w": np.full(64, 3e38, np.float32)}
+    two = gradfuse.Pipeline(compress="2bit")
+    two.allreduce(big)
+    with pytest.raises(NonFiniteError, match="the residuals are unchanged"):
+        two.allreduce(big)                             # g + e overflows; the spare kept e
+    (b,) = two.state_dict()["buckets"].values()
+    assert np.isfinite(b["residual"]).all() and b["residual"].any()
+
+
+def test_finite_inputs_that_overflow_in_place_reset_the_residual_and_say_so(world):
+    """g + e can overflow float32 with finite g and e (2-bit keeps nearly all of a huge
+    value as residual): the in-place update cannot be undone, so the step is refused on
+    every rank, the message says the residuals were reset, and they are zero."""
+    pipe = gradfuse.Pipeline(compress="2bit")
+    huge = lambda: {"w": np.tile(np.repeat(np.float32([3e38, -3e38]), 8), 4)}   # noqa: E731  (its sum is finite)
+    pipe.allreduce(huge())                              # residual about +-3e38
+    with pytest.raises(NonFiniteError, match=r"residuals of 1 bucket\(s\) were reset to zero") as info:
+        pipe.allreduce(huge())
+    assert len(set(world.allgather(str(info.value)))) == 1
+    (b,) = pipe.state_dict()["buckets"].values()
+    assert not b["residual"].any()
+    out = pipe.allreduce({"w": np.ones(64, np.float32)})["w"]     # and it goes on from zero
+    assert np.isfinite(out).all()
