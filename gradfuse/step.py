@@ -310,7 +310,7 @@ def compressed_jobs(step, comm, divisor):
         task = BucketTask(comm=comm, compressor=comp, bucket=b, src=src, dst=dst, residual=residual,
                           ctx=BucketContext(bucket=b.index, step=state.step, device=bk.device, counts=counts),
                           divisor=divisor, cache=entry.wire.setdefault(b.index, {}), stats=cfg.stats,
-                          backend=bk)
+                          backend=bk, scratch=entry.wire.setdefault("scratch", {}))
         jobs[b.index] = job(task)
     return jobs
 

@@ -73,15 +73,19 @@ class BucketTask:
         cache: a dict the job keeps its buffers in, across steps of the same plan.
         stats: the pipeline's counters (``bytes_sent``, cast overflow counts).
         backend: where the buffers live and which kernels run (host or a GPU).
+        scratch: a dict shared by the plan's buckets, for work arrays that one job's stage
+            needs only while it runs (``BucketJob.scratch_f32``).
     """
 
     __slots__ = ("comm", "compressor", "bucket", "src", "dst", "residual", "ctx", "divisor", "cache",
-                 "stats", "backend")
+                 "stats", "backend", "scratch")
 
-    def __init__(self, *, comm, compressor, bucket, src, dst, residual, ctx, divisor, cache, stats, backend):
+    def __init__(self, *, comm, compressor, bucket, src, dst, residual, ctx, divisor, cache, stats, backend,
+                 scratch=None):
         self.comm, self.compressor, self.bucket = comm, compressor, bucket
         self.src, self.dst, self.residual, self.ctx = src, dst, residual, ctx
         self.divisor, self.cache, self.stats, self.backend = divisor, cache, stats, backend
+        self.scratch = {} if scratch is None else scratch
 
 
 class BucketJob:
@@ -99,7 +103,7 @@ class BucketJob:
         self.comm, self.comp, self.bucket, self.bk = task.comm, task.compressor, task.bucket, task.backend
         self.src, self.dst = task.src, task.dst
         self.state, self.ctx, self.divisor = task.residual, task.ctx, task.divisor
-        self.cache, self.stats = task.cache, task.stats
+        self.cache, self.stats, self.scratch = task.cache, task.stats, task.scratch
         self.n = task.bucket.count
         self.nonfinite_ranks = []     # ranks that reported non-finite values (same everywhere)
         self.nonfinite_detail = ""
@@ -112,6 +116,15 @@ class BucketJob:
         if self.state.vel_cur.size:
             self.src, x = _momentum.feed(self.bk, self.state, self.src, velocity)
             self.velocity = (x, self.state.vel_nxt)
+
+    def scratch_f32(self, n):
+        """A float32 work array of ``n`` elements shared by the plan's buckets: valid until
+        the next job asks for one (the buckets' stages run one at a time), so a plan keeps
+        one, the size of its largest request, instead of one per bucket."""
+        buf = self.scratch.get("f32")
+        if buf is None or buf.size < n:
+            buf = self.scratch["f32"] = self.bk.empty(max(int(n), 1), np.float32)
+        return buf[:n]
 
     def fused(self):
         """Whether the compressor's fused methods may run here (host, or a compressor
