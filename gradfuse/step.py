@@ -24,7 +24,8 @@ import numpy as np
 from . import dtypes as _dt
 from .compressors import momentum as _momentum
 from .compressors.base import BucketContext
-from .compressors.jobs import BucketTask, inputs_finite, job_class, pays, ring_bytes, twophase_chunk
+from .compressors.jobs import (BucketTask, halves_cannot_fail, inputs_finite, job_class, pays, ring_bytes,
+                               twophase_chunk)
 from .errors import NonFiniteError
 from .fusion.staging import F16, staging
 from .fusion.tables import as_ndarray
@@ -185,9 +186,13 @@ class Step:
             if any(j.state.in_place for j in jobs.values()) and not inputs_finite(jobs, comm):
                 for job in jobs.values():
                     job.state.spare()     # a step that may be refused keeps its residuals: spares
+            stream = halves_cannot_fail(jobs, comm)     # fp16/bf16: bucket by bucket, one buffer
             for job in jobs.values():
+                job.stream = stream
                 compress(job)
                 exchange(job)
+                if stream:
+                    decode(job)
             if jobs:
                 cfg.state.claim_done(self.entry.state_key)
             if not check_finite(self, jobs):
@@ -210,7 +215,8 @@ class Step:
             cfg.stats.bytes_reduced += b.nbytes
             cfg.stats.bytes_sent += ring_bytes(b.nbytes, comm.size)
         for job in jobs.values():
-            decode(job)
+            if not job.stream:
+                decode(job)
             if job.bucket.index in self.staged:
                 self.staged[job.bucket.index].store(self.dst, self.tables)
             cfg.stats.bytes_reduced += job.bucket.nbytes

@@ -108,6 +108,7 @@ class BucketJob:
         self.nonfinite_ranks = []     # ranks that reported non-finite values (same everywhere)
         self.nonfinite_detail = ""
         self.velocity = None          # (x, u) once apply_velocity ran: what the compressor read, u
+        self.stream = False           # decoded right after its exchange, in shared buffers (the step cannot fail)
 
     def apply_velocity(self, velocity):
         """DGC's momentum correction (``gradfuse.compressors.momentum``): update this rank's
@@ -214,13 +215,24 @@ class AllreduceJob(BucketJob):
 
     algorithm = "allreduce"
 
+    def __init__(self, task):
+        super().__init__(task)
+        self.native = self.comp.native_sum(self.comm)
+
     def compress(self):
         bk = self.bk
-        buf = self.cache.get("buf16")
-        if buf is None or buf.size != self.n:
+        if self.stream:            # one bucket at a time: the plan's shared buffer
+            buf = self.scratch.get("u16")
+            if buf is None or buf.size < self.n:
+                buf = self.scratch["u16"] = bk.empty_bytes(2 * max(self.n, 1)).view(np.uint16)
+            buf = buf[:self.n]
+        elif bk.device == "cpu":   # held until the step's verdict: this step's only (host)
             buf = bk.empty_bytes(2 * self.n).view(np.uint16)
-            self.cache["buf16"] = buf
-        self.native = self.comp.native_sum(self.comm)
+        else:
+            buf = self.cache.get("buf16")
+            if buf is None or buf.size != self.n:
+                buf = bk.empty_bytes(2 * self.n).view(np.uint16)
+                self.cache["buf16"] = buf
         predivide = self.comp.options.get("predivide") or self.native
         prescale = float(self.comm.size) if predivide and self.divisor != 1.0 else 1.0
         e_in, e_out = self.residuals()

@@ -548,3 +548,29 @@ def test_finite_inputs_that_overflow_in_place_reset_the_residual_and_say_so(worl
     assert not b["residual"].any()
     out = pipe.allreduce({"w": np.ones(64, np.float32)})["w"]     # and it goes on from zero
     assert np.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", ["fp16", "bf16"])
+def test_half_steps_that_cannot_fail_run_bucket_by_bucket_in_one_buffer(world, name):
+    """When every rank's inputs are finite and no cast or sum can overflow (agreed by one
+    max-allreduce), each bucket is cast, summed and decoded at once in one 16-bit buffer the
+    plan's buckets share; otherwise (a value near fp16's range) every bucket is held until
+    the verdict, in buffers of that step only. The results are the same bits either way."""
+    sizes = (3000, 17, 5000, 1, 2048)
+    pipe = gradfuse.Pipeline(compress=name, fusion_threshold=4096)
+    g = grads_for(world.rank, 0, sizes)
+    got = pipe.allreduce(g)
+    (entry,) = pipe._plans.values()
+    per_bucket = [v for k, v in entry.wire.items() if isinstance(k, int)]
+    assert entry.wire["scratch"]["u16"].size == max(b.count for b in entry.plan.buckets)
+    assert not any("buf16" in c for c in per_bucket)
+    # rank 0 holds 60000 (fp16's sum could overflow from 2 ranks on, though this one does not)
+    big = dict(g, t1=np.full(17, 60000.0 if world.rank == 0 else 1.0, np.float32))
+    held = gradfuse.Pipeline(compress=name, fusion_threshold=4096)
+    out = held.allreduce(big)
+    (entry,) = held._plans.values()
+    assert ("u16" in entry.wire.get("scratch", {})) == (name == "bf16" or world.size == 1)
+    assert not any("buf16" in c for k, c in entry.wire.items() if isinstance(k, int))
+    for k in g:
+        if k != "t1":
+            assert bits(out[k]) == bits(got[k]), k
