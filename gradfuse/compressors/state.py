@@ -28,7 +28,8 @@ FORMAT = "gradfuse-state-1"
 
 
 class BucketState:
-    """One bucket's residuals (worker and server) and velocity, double-buffered, in ``bk``'s memory.
+    """One bucket's residuals (worker and server) and velocity in ``bk``'s memory: residuals single
+    (host, ``single``) or double-buffered, the velocity double-buffered.
 
     The three parts are sized independently (``ensure``): a bucket that runs uncompressed
     during warm-up keeps a velocity and no residual, and gets its residual when compression
