@@ -18,6 +18,7 @@ COMPRESSORS = [
     ("2bit", {"threshold": 0.05}),
     ("topk", {"ratio": 0.05}),
     ("randomk", {"ratio": 0.05, "seed": 7}),
+    ("randomk", {"ratio": 0.05, "seed": 7, "algorithm": "allreduce"}),   # the sparse allreduce job
 ]
 
 
