@@ -126,7 +126,9 @@ class Rates:
 
 #: Kernel rates measured on this project's 2-core development machine (quiet; the
 #: "Compressor kernels" table of docs/benchmarks.md, ``python -m gradfuse.bench compress``).
-#: They are constants on purpose: ``auto`` must decide the same on every rank.
+#: They are constants on purpose: ``auto`` must decide the same on every rank. random-k's
+#: compress rate is not in that table's run (it predates the O(k) draw); 12 GB/s is an
+#: estimate from the 0.99x-of-the-bandwidth-limit figure in the text below that table.
 RATES = {
     "none": Rates(float("inf"), float("inf")),
     "fp16": Rates(22.9e9, 25.2e9), "bf16": Rates(21.3e9, 25.9e9),
