@@ -37,6 +37,8 @@ import numpy as np
 
 from . import config
 from . import dtypes as _dt
+from .compressors import cost
+from .compressors import momentum as _momentum
 from .compressors.policy import LayerPolicy
 from .compressors.state import CompressionState, load_npz, save_npz
 from .fusion import tables
@@ -100,6 +102,17 @@ class Pipeline:
             dynamic loss scaler sees the overflow and skips the step), residuals and the
             compressor's step counter stay as they were, ``stats.nonfinite_steps``
             counts it. Uncompressed buckets sum NaN/Inf as the MPI library does.
+        link_bandwidth: the network link the cost model (``gradfuse.compressors.cost``)
+            assumes for ``algorithm="auto"``: a preset (``"1gbit"``, ``"10gbit"``,
+            ``"100gbit"``), a rate (``"2.5gbit"``, ``"400mbit"``) or bytes/s. An option,
+            not a probe: nothing is measured, and every rank must pass the same (it is part
+            of the agreement). Default None: the model's ``DEFAULT_LINK`` (10 Gbit/s).
+        link_latency: seconds per message step (default: the preset's, else 20 us).
+        uncompressed_if_faster: opt-in: a float32 bucket whose compressed exchange the cost
+            model predicts to be no faster than the fp32 ring allreduce on ``link_bandwidth``
+            (which it needs) runs uncompressed; a residual it had is added into that sum
+            and cleared, so nothing is lost (docs/compressors.md). Off by default: on
+            shared memory nothing pays, and it would silently switch compression off.
 
     Example:
         >>> pipe = gradfuse.Pipeline()
@@ -107,7 +120,8 @@ class Pipeline:
     """
 
     def __init__(self, compress=None, fusion_threshold=None, average=True, comm=None,
-                 direct_threshold=None, nonfinite="raise", min_elements=0, **compressor_options):
+                 direct_threshold=None, nonfinite="raise", min_elements=0, link_bandwidth=None,
+                 link_latency=None, uncompressed_if_faster=False, **compressor_options):
         self._policy = LayerPolicy.create(compress, min_elements, **compressor_options)
         self._compressor = self._policy.main
         self._fusion_threshold = config.fusion_threshold(fusion_threshold)
@@ -120,6 +134,19 @@ class Pipeline:
         if nonfinite not in NONFINITE:
             raise ValueError(f"nonfinite must be one of {', '.join(map(repr, NONFINITE))}, got {nonfinite!r}")
         self._nonfinite = nonfinite
+        if link_bandwidth is None and link_latency is not None:
+            raise ValueError(f"link_latency={link_latency!r} needs link_bandwidth (the cost model's link)")
+        self._link = None if link_bandwidth is None else cost.link_from(link_bandwidth, link_latency)
+        if not isinstance(uncompressed_if_faster, (bool, np.bool_)):
+            raise TypeError(f"uncompressed_if_faster must be True or False, got {uncompressed_if_faster!r}")
+        if uncompressed_if_faster and self._link is None:
+            raise ValueError("uncompressed_if_faster=True needs link_bandwidth (e.g. '1gbit'): the cost model "
+                             "compares compressed and fp32 exchanges on that link")
+        self._uncompressed_if_faster = bool(uncompressed_if_faster)
+        if self._uncompressed_if_faster and _momentum.pipeline_momentum(self._policy):
+            raise ValueError("uncompressed_if_faster=True cannot be combined with momentum (DGC's momentum "
+                             "correction): a bucket switching to uncompressed would have to move its "
+                             "residual into the velocity path, which gradfuse does not do")
         self._lock = threading.Lock()
         self._ctx = runtime.context(comm)
         self.comm = self._ctx.comm
@@ -129,7 +156,7 @@ class Pipeline:
         self.state = CompressionState()
         self._backends = {}          # GPU id -> CudaBackend
         self._cfg = StepConfig(self._ctx, self._policy, self._average, self.state, self.stats,
-                               nonfinite)
+                               nonfinite, self._link, self._uncompressed_if_faster)
 
     # Read-only: plans, agreement digests and residuals are built from these, so a
     # pipeline's configuration is fixed at construction (make a new Pipeline to change it).
@@ -141,6 +168,7 @@ class Pipeline:
                                 doc="Tensors of at least this many bytes are reduced in place.")
     average = property(lambda self: self._average, doc="Whether results are averaged.")
     nonfinite = property(lambda self: self._nonfinite, doc='What a non-finite compressed step does.')
+    link = property(lambda self: self._link, doc="The cost model's link (a cost.Link), or None for its default.")
 
     # --- public API ---------------------------------------------------------------
     def allreduce(self, grads, out=None, names=None):
@@ -203,6 +231,10 @@ class Pipeline:
         cfg = {"compress": self._policy.describe(), "fusion_threshold": self.fusion_threshold,
                "average": self.average, "direct_threshold": self.direct_threshold,
                "nonfinite": self.nonfinite, "min_elements": self._policy.min_elements}
+        if self._link is not None:
+            cfg.update(link_bandwidth=self._link.bandwidth, link_latency=self._link.latency)
+        if self._uncompressed_if_faster:
+            cfg["uncompressed_if_faster"] = True
         if self._policy.single:
             cfg.update({k: v for k, v in self.compressor.get_config().items() if k != "name"})
         return cfg
@@ -222,6 +254,20 @@ class Pipeline:
                 "direct_threshold": self.direct_threshold}
         if self.nonfinite != "raise":     # the default adds nothing: residual keys stay as they were
             opts["nonfinite"] = self.nonfinite
+        if self._link is not None:        # it picks algorithms: every rank must assume the same
+            opts["link"] = [self._link.bandwidth, self._link.latency]
+        if self._uncompressed_if_faster:
+            opts["uncompressed_if_faster"] = True
+        return opts
+
+    def _state_options(self):
+        """What keys a plan's residuals: ``_options()`` without the link and the opt-in
+        policy, which choose collectives but not the bucket layout, so a checkpoint
+        restores into a pipeline told another link (a residual whose server part no
+        longer fits starts from zero, with a warning)."""
+        opts = self._options()
+        opts.pop("link", None)
+        opts.pop("uncompressed_if_faster", None)
         return opts
 
     def _request_options(self, device):
@@ -273,7 +319,7 @@ class Pipeline:
                           alloc=bk.empty_bytes, groups=groups)
         dtypes = [_dt.name(c) for c in codes]
         request = Request("allreduce", names, shapes, dtypes, self._request_options(bk.device))
-        state_key = Request("allreduce", names, shapes, dtypes, self._options()).digest.hex()
+        state_key = Request("allreduce", names, shapes, dtypes, self._state_options()).digest.hex()
         entry = CachedPlan(plan, request, names, shapes, codes, bk, state_key)
         entry.used = self._calls
         self._plans[key] = entry

@@ -24,7 +24,8 @@ import numpy as np
 from . import dtypes as _dt
 from .compressors import momentum as _momentum
 from .compressors.base import BucketContext
-from .compressors.jobs import BucketTask, job_class, ring_bytes
+from .compressors.jobs import (BucketTask, halves_cannot_fail, inputs_finite, job_class, pays, ring_bytes,
+                               twophase_chunk)
 from .errors import NonFiniteError
 from .fusion.staging import F16, staging
 from .fusion.tables import as_ndarray
@@ -65,14 +66,18 @@ class Stats:
 class StepConfig:
     """What every step of one pipeline shares: its runtime context, compressors (a
     ``LayerPolicy``: a bucket's ``group`` indexes its ``compressors``), averaging rule,
-    compression state (residuals, step counter), counters, and what a compressed step
-    with NaN/Inf does (``nonfinite``: "raise" or "skip")."""
+    compression state (residuals, step counter), counters, what a compressed step
+    with NaN/Inf does (``nonfinite``: "raise" or "skip") and the link the cost model
+    assumes (``link``: None for its default)."""
 
-    __slots__ = ("ctx", "compressor", "average", "state", "stats", "nonfinite")
+    __slots__ = ("ctx", "compressor", "average", "state", "stats", "nonfinite", "link", "only_if_faster")
 
-    def __init__(self, ctx, compressor, average, state, stats, nonfinite="raise"):
+    def __init__(self, ctx, compressor, average, state, stats, nonfinite="raise", link=None,
+                 only_if_faster=False):
         self.ctx, self.compressor, self.average = ctx, compressor, average
         self.state, self.stats, self.nonfinite = state, stats, nonfinite
+        self.link = link          # the cost model's link (gradfuse.compressors.cost.Link), or None
+        self.only_if_faster = only_if_faster      # Pipeline(uncompressed_if_faster=True)
 
     def step_tag(self):
         """What of the compressor state the ranks must agree on: its step counter (it drives
@@ -90,11 +95,12 @@ class Step:
     """
 
     __slots__ = ("cfg", "entry", "src", "dst", "tables", "in_objs", "out_objs", "result", "ready",
-                 "inplace", "staged", "deferred", "io")
+                 "inplace", "staged", "deferred", "io", "unpaid")
 
     def __init__(self, cfg, entry, inputs, outputs):
         self.cfg, self.entry = cfg, entry
         self.staged = {}          # bucket index -> float32 Staging of a compressed float16 bucket
+        self.unpaid = set()       # buckets Pipeline(uncompressed_if_faster=True) runs uncompressed
         self.deferred = inputs.deferred
         self.result, self.ready = outputs.result, outputs.ready
         if self.deferred is None:
@@ -177,8 +183,16 @@ class Step:
             for job in jobs.values():
                 if vel:
                     velocity(job, vel)
+            if any(j.state.in_place for j in jobs.values()) and not inputs_finite(jobs, comm):
+                for job in jobs.values():
+                    job.state.spare()     # a step that may be refused keeps its residuals: spares
+            stream = halves_cannot_fail(jobs, comm)     # fp16/bf16: bucket by bucket, one buffer
+            for job in jobs.values():
+                job.stream = stream
                 compress(job)
                 exchange(job)
+                if stream:
+                    decode(job)
             if jobs:
                 cfg.state.claim_done(self.entry.state_key)
             if not check_finite(self, jobs):
@@ -190,6 +204,8 @@ class Step:
                 continue
             if vel and b.code in COMPRESSIBLE:
                 plain_velocity(self, comm, b, vel, divide, size)
+            elif b.index in self.unpaid:
+                uncompressed(self, comm, b, divide, size)
             elif b.direct:
                 reduce_direct(self, comm, b, divide, size)
             else:
@@ -199,7 +215,8 @@ class Step:
             cfg.stats.bytes_reduced += b.nbytes
             cfg.stats.bytes_sent += ring_bytes(b.nbytes, comm.size)
         for job in jobs.values():
-            decode(job)
+            if not job.stream:
+                decode(job)
             if job.bucket.index in self.staged:
                 self.staged[job.bucket.index].store(self.dst, self.tables)
             cfg.stats.bytes_reduced += job.bucket.nbytes
@@ -293,17 +310,63 @@ def compressed_jobs(step, comm, divisor):
         # the tensors' element counts: per-tensor formats (1-bit blocks, top-k/random-k's k
         # per tensor) depend on them, and every rank has the same
         counts = tuple(cnt[b.lo:b.hi].tolist())
-        job = job_class(comp, b.count, comm.size)
+        job = job_class(comp, b.count, comm.size, link=cfg.link, counts=counts)
+        if cfg.only_if_faster and b.code == _F32 and not pays(comp, job.algorithm, b.count, comm.size, cfg.link,
+                                                               counts):
+            step.unpaid.add(b.index)      # after check_finite, with its residual (uncompressed())
+            continue
         n_res, n_server = job.residual_sizes(comp, b.count, comm, counts=counts)
         residual = state.bucket((entry.state_key, b.index), n_res, n_server, job.algorithm, bk,
-                                velocity=b.count if with_velocity else 0)
+                                velocity=b.count if with_velocity else 0,
+                                single=bk.device == "cpu" and not with_velocity)
         task = BucketTask(comm=comm, compressor=comp, bucket=b, src=src, dst=dst, residual=residual,
                           ctx=BucketContext(bucket=b.index, step=state.step, device=bk.device, counts=counts),
                           divisor=divisor, cache=entry.wire.setdefault(b.index, {}), stats=cfg.stats,
-                          backend=bk)
+                          backend=bk, scratch=entry.wire.setdefault("scratch", {}))
         jobs[b.index] = job(task)
         jobs[b.index].names = lambda b=b: bucket_names(step, b)     # the timeline's (built when recording)
     return jobs
+
+
+def uncompressed(step, comm, b, divide, size):
+    """A float32 bucket that ``uncompressed_if_faster`` runs uncompressed. A residual it kept
+    while compressed (or restored from a checkpoint) joins this rank's addend and is
+    dropped, so nothing of it is lost: the sum is that of ``g + e`` over the ranks. A
+    two-phase server residual (in averaged units) joins as ``divisor x e_s`` on the rank
+    that served that chunk. Runs after ``check_finite``, so a skipped step keeps them."""
+    cfg, entry, bk = step.cfg, step.entry, step.entry.bk
+    taken = cfg.state.take_residual((entry.state_key, b.index), bk)
+    if taken is None:
+        if b.direct:
+            reduce_direct(step, comm, b, divide, size)
+        else:
+            pack(step, b)
+            reduce(step, comm, b)
+            unpack(step, b, divide, size)
+        return
+    e, es = taken
+
+    def add_residuals(flat):           # (g + e), then + divisor x e_s on the server's chunk
+        flat += e
+        if es.size:
+            counts = tuple(step.tables.counts[b.lo:b.hi].tolist())
+            e0, e1 = twophase_chunk(counts, comm.size, cfg.compressor.compressors[b.group].block, comm.rank)
+            flat[e0:e1] += es * bk.xp.float32(size if divide else 1.0)
+
+    if b.direct:
+        i = int(entry.plan.order[b.lo])
+        out = step.out_objs[i]
+        if step.src[b.lo] != step.dst[b.lo]:
+            out[...] = step.in_objs[i]
+        add_residuals(out.reshape(-1))
+        comm.allreduce_inplace(out)
+        if divide:
+            bk.div_inplace(out, step.dst[b.lo], entry.plan.counts[b.lo], b.code, size)
+        return
+    pack(step, b)
+    add_residuals(bk.xp.asarray(b.buffer).view(np.float32))
+    reduce(step, comm, b)
+    unpack(step, b, divide, size)
 
 
 def velocity_of(step):
@@ -387,6 +450,11 @@ def check_finite(step, jobs):
         return True
     cfg, entry = step.cfg, step.entry
     cfg.stats.nonfinite_steps += 1
+    lost = [j for j in jobs.values() if j.state.in_place]
+    for j in jobs.values():
+        if j in lost:           # finite inputs that overflowed in place (g + e, a server's sum)
+            j.state.zero()
+        j.state.release()
     if cfg.nonfinite == "skip":
         return False
     cfg.stats.failed_steps += 1
@@ -398,8 +466,11 @@ def check_finite(step, jobs):
         parts.append(f"bucket {j.bucket.index} (tensors {', '.join(repr(x) for x in names)}"
                      f"{', ...' if j.bucket.hi - j.bucket.lo > 4 else ''}): non-finite values {who}"
                      f"{'; ' + j.nonfinite_detail if j.nonfinite_detail else ''}")
+    kept = ("the residuals are unchanged" if not lost else
+            f"the residuals of {len(lost)} bucket(s) were reset to zero (finite inputs overflowed float32 "
+            f"in their in-place update)")
     raise NonFiniteError(f"{cfg.compressor.name}: NaN/Inf in the step's gradients; the step was refused on "
-                         f"every rank, no result was written and the residuals are unchanged: "
+                         f"every rank, no result was written and {kept}: "
                          + "; ".join(parts))
 
 

@@ -11,6 +11,7 @@ COMPRESSORS = [
     ("fp16", {}),
     ("fp16", {"predivide": True}),
     ("fp16", {"error_feedback": True}),
+    ("fp16", {"sum16": "nccl"}),        # NCCL's own half sum where the data communicator is NCCL
     ("bf16", {}),
     ("1bit", {"algorithm": "allgather", "block_size": 64}),
     ("1bit", {"algorithm": "twophase", "block_size": 64}),
@@ -19,6 +20,7 @@ COMPRESSORS = [
     ("2bit", {"algorithm": "twophase", "block_size": 64}),
     ("topk", {"ratio": 0.05}),
     ("randomk", {"ratio": 0.05, "seed": 7}),
+    ("randomk", {"ratio": 0.05, "seed": 7, "algorithm": "allreduce"}),   # the sparse allreduce job
 ]
 
 

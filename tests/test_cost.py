@@ -76,3 +76,39 @@ def test_link_parsing():
             cost.link_from(bad)
     with pytest.raises(ValueError, match="unknown algorithm"):
         cost.predict("1bit", "tree", 10, 2, "1gbit")
+
+
+def test_auto_follows_the_cost_model_per_bucket_and_p():
+    one = make_compressor("1bit")
+    rk = make_compressor("randomk")
+    fast, slow = cost.link_from("10gbit"), cost.link_from("1gbit")
+    assert one.algorithm_for(1 << 22, 1) == "allgather"
+    assert one.algorithm_for(1 << 22, 2) == "allgather"
+    assert one.algorithm_for(1 << 16, 3) == "allgather"               # was two-phase before the model
+    assert one.algorithm_for(1 << 19, 3) == "twophase"                # default link: 10 Gbit/s
+    assert one.algorithm_for(1 << 18, 3, link=fast) == "allgather"
+    assert one.algorithm_for(1 << 18, 3, link=slow) == "twophase"     # a slower link pays off sooner
+    for n, p in ((1 << 18, 3), (1 << 20, 8), (1000, 64)):
+        want = cost.best(one, ("allgather", "twophase"), n, p, cost.DEFAULT_LINK)
+        assert one.algorithm_for(n, p) == want
+    assert rk.algorithm_for(1 << 20, 2) == "allgather"
+    assert rk.algorithm_for(1 << 20, 8, link=slow) == "sparse_allreduce"
+    assert make_compressor("randomk", algorithm="allreduce").algorithm_for(10, 2) == "sparse_allreduce"
+    assert make_compressor("1bit", algorithm="twophase").algorithm_for(10, 2) == "twophase"
+    assert make_compressor("topk").algorithm_for(1 << 22, 64) == "allgather"
+    with pytest.raises(ValueError, match="'algorithm' must be one of auto, allgather, allreduce"):
+        make_compressor("randomk", algorithm="twophase")
+
+
+def test_pipeline_link_option_round_trips_and_needs_a_bandwidth():
+    import gradfuse
+    pipe = gradfuse.Pipeline(compress="1bit", link_bandwidth="1gbit", comm=gradfuse.comm.SingleProcessCommunicator())
+    cfg = pipe.get_config()
+    assert cfg["link_bandwidth"] == 125e6 and cfg["link_latency"] == 50e-6
+    assert gradfuse.Pipeline(**cfg, comm=gradfuse.comm.SingleProcessCommunicator()).link == pipe.link
+    with pytest.raises(ValueError, match="needs link_bandwidth"):
+        gradfuse.Pipeline(compress="1bit", link_latency=1e-5)
+    with pytest.raises(ValueError, match="needs link_bandwidth"):
+        gradfuse.Pipeline(compress="1bit", uncompressed_if_faster=True)
+    with pytest.raises(ValueError, match="link bandwidth 'fast'"):
+        gradfuse.Pipeline(compress="1bit", link_bandwidth="fast")

@@ -44,9 +44,15 @@ class Communicator(ABC):
         """Reduce with ``op`` in ("sum", "min", "max", "prod") from ``src`` into ``dst``."""
         raise NotImplementedError(f"{self.kind} communicator has no allreduce_op")
 
-    def allreduce16(self, buf, fmt):
+    #: whether ``allreduce16(..., native=True)`` has a sum of the network's own (NCCL's
+    #: half-precision sum); the others always run the exact one
+    native_sum16 = False
+
+    def allreduce16(self, buf, fmt, native=False):
         """Sum a uint16 buffer of fp16 (fmt 1) or bf16 (fmt 2) values in place, each
-        pairwise add in float32 rounded once (the ``sum16`` kernel as an MPI user op)."""
+        pairwise add in float32 rounded once (the ``sum16`` kernel as an MPI user op).
+        ``native=True``: the network's own 16-bit sum where the communicator has one
+        (``native_sum16``; its order and rounding are the library's), else the exact one."""
         raise NotImplementedError(f"{self.kind} communicator has no allreduce16")
 
     def bcast(self, arr, root):

@@ -155,7 +155,7 @@ class MPICommunicator(Communicator):
         self.data.Allreduce([src, mtype], [dst, mtype], op=op)
         return dst
 
-    def allreduce16(self, buf, fmt):
+    def allreduce16(self, buf, fmt, native=False):
         self.data.Allreduce(self._in_place, [buf, mpi().UINT16_T], op=_sum16_op(fmt))
         return buf
 

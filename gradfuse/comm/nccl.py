@@ -18,8 +18,10 @@ Arithmetic: sums of float32/float64/ints use NCCL's reduction (its own order, li
 which is unspecified too). The 16-bit sum of the fp16/bf16 compressors (``allreduce16``)
 defaults to ``sum16="exact"``: allgather, then the ``gf_sum16`` kernel folds the rows in
 rank order with the CPU's rounding and NaN rules, so every rank gets the same bits and
-they follow docs/compressors.md. ``sum16="nccl"`` uses NCCL's native half/bfloat16 sum
-(faster at large p, NaN payloads and rounding order not guaranteed).
+they follow docs/compressors.md. ``sum16="nccl"`` (or a call with ``native=True``, which
+``Pipeline(compress="fp16", sum16="nccl")`` makes) uses NCCL's native half/bfloat16 sum
+(faster at large p: a ring over 2n bytes instead of an allgather of (p-1) 2n; NaN
+payloads and rounding order not guaranteed; untested on hardware beyond one rank).
 """
 import atexit
 import weakref
@@ -175,14 +177,19 @@ class NCCLCommunicator(DeviceCommunicator):
         self._end()
         return dst
 
-    def allreduce16(self, buf, fmt):
+    native_sum16 = True
+
+    def allreduce16(self, buf, fmt, native=False):
+        """The 16-bit sum: exact (allgather + the rank-order ``sum16`` fold), or with
+        ``native=True`` or ``sum16="nccl"`` NCCL's own half/bfloat16 allreduce (untested on
+        hardware with more than one rank: one GPU cannot run two NCCL ranks)."""
         from .. import gpu
         b = as_device(buf)
         if b.dtype != np.uint16:
             raise TypeError(f"allreduce16 needs uint16 words, got {b.dtype}")
         if self.size == 1 or b.size == 0:
             return buf
-        if self.sum16_mode == "nccl":
+        if native or self.sum16_mode == "nccl":
             dt = _const(self._nccl, "NCCL_FLOAT16" if fmt == 1 else "NCCL_BFLOAT16", _NCCL_DTYPES,
                         "float16" if fmt == 1 else "bfloat16")
             s = self._begin()

@@ -82,7 +82,7 @@ class HostStagedCommunicator(DeviceCommunicator):
     def allreduce_op(self, src, dst, op):
         return self._pair(src, dst, self.mpi.allreduce_op, op)
 
-    def allreduce16(self, buf, fmt):
+    def allreduce16(self, buf, fmt, native=False):
         return self._inplace(buf, self.mpi.allreduce16, fmt)
 
     def bcast(self, arr, root):

@@ -50,6 +50,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import cost
+
 F32 = np.dtype(np.float32)
 
 
@@ -137,6 +139,11 @@ class Compressor(ABC):
     # copies, so a fused method written for host pointers never sees a device pointer
     supports_cuda = False
     collective = "allgather"
+    # the collectives ``algorithm="auto"`` chooses among by the cost model (job algorithms
+    # of gradfuse.compressors.jobs; empty: always ``collective``), and the option values
+    # that name a job algorithm differently
+    AUTO = ()
+    ALGORITHM_NAMES = {}
     error_feedback_default = False
     OPTIONS = {}                # option name -> default value
 
@@ -207,6 +214,28 @@ class Compressor(ABC):
     def __repr__(self):
         opts = ", ".join(f"{k}={v!r}" for k, v in self.get_config().items() if k != "name")
         return f"{type(self).__name__}({opts})"
+
+    def algorithm_for(self, n, p, link=None, counts=None):
+        """The collective for a bucket of ``n`` elements on ``p`` ranks: the ``algorithm``
+        option, or with ``"auto"`` the cheapest of ``AUTO`` by the cost model
+        (``gradfuse.compressors.cost.best`` on ``link``, default ``cost.DEFAULT_LINK``;
+        ``counts``: the bucket's tensor sizes). The same on every rank: it depends only on
+        values the ranks agreed on (options, sizes, p, the pipeline's link) and constants.
+        """
+        algo = self.options.get("algorithm", "auto")
+        if algo != "auto":
+            return self.ALGORITHM_NAMES.get(algo, algo)
+        if len(self.AUTO) < 2 or p < 2:
+            return self.AUTO[0] if self.AUTO else self.collective
+        key = (n, p, link, counts)
+        memo = self.__dict__.setdefault("_auto_memo", {})
+        algo = memo.get(key)
+        if algo is None:
+            if len(memo) > 4096:
+                memo.clear()
+            algo = memo[key] = cost.best(self, self.AUTO, n, p, cost.DEFAULT_LINK if link is None else link,
+                                         counts=counts)
+        return algo
 
     # --- the math --------------------------------------------------------------------
     def bucket_layout(self, ctx):

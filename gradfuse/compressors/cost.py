@@ -170,7 +170,12 @@ def payload_bytes(compressor, n, options=None, counts=None):
         scales = sum(-(-c // block) for c in counts)
         return 8 + _a8(4 * words) + _a8(4 * scales)
     if name == "2bit":
-        return 8 + _a8((n + 3) // 4)
+        if opts.get("threshold") is not None:          # MXNet's absolute format: 2 bits, no values
+            return 8 + _a8((n + 3) // 4)
+        block = int(opts.get("block_size", 512))       # the scaled format: 16 codes a word, a value per block
+        words = sum((c + 15) // 16 for c in counts)
+        values = sum(-(-c // block) for c in counts)
+        return 8 + _a8(4 * words) + _a8(4 * values)
     if name in SPARSE:
         k = sum(_k(float(opts.get("ratio", 0.01)), c) for c in counts)
         return 8 + (_a8(4 * k) + _a8(4 * k) if name == "topk" else _a8(4 * k))

@@ -73,15 +73,19 @@ class BucketTask:
         cache: a dict the job keeps its buffers in, across steps of the same plan.
         stats: the pipeline's counters (``bytes_sent``, cast overflow counts).
         backend: where the buffers live and which kernels run (host or a GPU).
+        scratch: a dict shared by the plan's buckets, for work arrays that one job's stage
+            needs only while it runs (``BucketJob.scratch_f32``).
     """
 
     __slots__ = ("comm", "compressor", "bucket", "src", "dst", "residual", "ctx", "divisor", "cache",
-                 "stats", "backend")
+                 "stats", "backend", "scratch")
 
-    def __init__(self, *, comm, compressor, bucket, src, dst, residual, ctx, divisor, cache, stats, backend):
+    def __init__(self, *, comm, compressor, bucket, src, dst, residual, ctx, divisor, cache, stats, backend,
+                 scratch=None):
         self.comm, self.compressor, self.bucket = comm, compressor, bucket
         self.src, self.dst, self.residual, self.ctx = src, dst, residual, ctx
         self.divisor, self.cache, self.stats, self.backend = divisor, cache, stats, backend
+        self.scratch = {} if scratch is None else scratch
 
 
 class BucketJob:
@@ -99,11 +103,12 @@ class BucketJob:
         self.comm, self.comp, self.bucket, self.bk = task.comm, task.compressor, task.bucket, task.backend
         self.src, self.dst = task.src, task.dst
         self.state, self.ctx, self.divisor = task.residual, task.ctx, task.divisor
-        self.cache, self.stats = task.cache, task.stats
+        self.cache, self.stats, self.scratch = task.cache, task.stats, task.scratch
         self.n = task.bucket.count
         self.nonfinite_ranks = []     # ranks that reported non-finite values (same everywhere)
         self.nonfinite_detail = ""
         self.velocity = None          # (x, u) once apply_velocity ran: what the compressor read, u
+        self.stream = False           # decoded right after its exchange, in shared buffers (the step cannot fail)
 
     def apply_velocity(self, velocity):
         """DGC's momentum correction (``gradfuse.compressors.momentum``): update this rank's
@@ -112,6 +117,15 @@ class BucketJob:
         if self.state.vel_cur.size:
             self.src, x = _momentum.feed(self.bk, self.state, self.src, velocity)
             self.velocity = (x, self.state.vel_nxt)
+
+    def scratch_f32(self, n):
+        """A float32 work array of ``n`` elements shared by the plan's buckets: valid until
+        the next job asks for one (the buckets' stages run one at a time), so a plan keeps
+        one, the size of its largest request, instead of one per bucket."""
+        buf = self.scratch.get("f32")
+        if buf is None or buf.size < n:
+            buf = self.scratch["f32"] = self.bk.empty(max(int(n), 1), np.float32)
+        return buf[:n]
 
     def fused(self):
         """Whether the compressor's fused methods may run here (host, or a compressor
@@ -201,13 +215,26 @@ class AllreduceJob(BucketJob):
 
     algorithm = "allreduce"
 
+    def __init__(self, task):
+        super().__init__(task)
+        self.native = self.comp.native_sum(self.comm)
+
     def compress(self):
         bk = self.bk
-        buf = self.cache.get("buf16")
-        if buf is None or buf.size != self.n:
+        if self.stream:            # one bucket at a time: the plan's shared buffer
+            buf = self.scratch.get("u16")
+            if buf is None or buf.size < self.n:
+                buf = self.scratch["u16"] = bk.empty_bytes(2 * max(self.n, 1)).view(np.uint16)
+            buf = buf[:self.n]
+        elif bk.device == "cpu":   # held until the step's verdict: this step's only (host)
             buf = bk.empty_bytes(2 * self.n).view(np.uint16)
-            self.cache["buf16"] = buf
-        prescale = float(self.comm.size) if self.comp.options.get("predivide") and self.divisor != 1.0 else 1.0
+        else:
+            buf = self.cache.get("buf16")
+            if buf is None or buf.size != self.n:
+                buf = bk.empty_bytes(2 * self.n).view(np.uint16)
+                self.cache["buf16"] = buf
+        predivide = self.comp.options.get("predivide") or self.native
+        prescale = float(self.comm.size) if predivide and self.divisor != 1.0 else 1.0
         e_in, e_out = self.residuals()
         if e_in.size or not self.fused():
             g = bk.gather_f32(self.src, self.n)
@@ -224,7 +251,7 @@ class AllreduceJob(BucketJob):
 
     def exchange(self):
         bk, buf = self.bk, self.buf
-        self.comm.allreduce16(buf, self.comp.fmt)
+        self.comm.allreduce16(buf, self.comp.fmt, native=self.native)
         p = self.comm.size
         self.stats.bytes_sent += ring_bytes(2 * self.n, p)
         mask = self.comp.nonfinite_mask()

@@ -6,7 +6,10 @@ nearest even on the top 16 bits of the float32 pattern, NaN -> quiet NaN with it
 The MPI reduction adds two payloads element by element in float32 and rounds once (the
 ``sum16`` kernel); averaging divides the float32 value after the sum, or, with
 ``predivide=True``, each rank divides by the number of ranks before casting (smaller
-sums, no fp16 overflow where each term fits). An inf or NaN in the summed payload, from
+sums, no fp16 overflow where each term fits). ``sum16="nccl"`` (GPU, NCCL only; the
+default is ``"exact"``) lets NCCL's own half/bfloat16 allreduce sum the payloads instead,
+pre-divided by p when averaging; its order and rounding are NCCL's, and it is untested on
+hardware beyond one rank. On other communicators the exact sum runs. An inf or NaN in the summed payload, from
 an input or from overflow, raises ``NonFiniteError`` on every rank before any result is
 written; values that underflow to zero are counted in the pipeline's stats.
 """
@@ -22,12 +25,21 @@ class Cast16(Compressor):
     collective = "allreduce"
     supports_cuda = True
     fmt = 0
-    OPTIONS = {"predivide": False}
+    OPTIONS = {"predivide": False, "sum16": "exact"}
 
     def validate(self):
         if not isinstance(self.options["predivide"], (bool, np.bool_)):
             raise TypeError(f"option 'predivide' must be True or False, got {self.options['predivide']!r}")
         self.options["predivide"] = bool(self.options["predivide"])
+        if self.options["sum16"] not in ("exact", "nccl"):
+            raise ValueError(f"option 'sum16' must be 'exact' or 'nccl', got {self.options['sum16']!r}")
+
+    def native_sum(self, comm):
+        """Whether this bucket's sum is the network's own 16-bit sum: ``sum16="nccl"`` on a
+        communicator that has one (NCCL). Then averaging always pre-divides by p before the
+        cast (DDP's fp16 hook does the same), so the half-precision sum cannot overflow
+        where each term fits."""
+        return self.options["sum16"] == "nccl" and comm.native_sum16
 
     def payload_layout(self, n):
         return [(np.dtype(np.uint16), n)]

@@ -15,7 +15,8 @@ Collectives: ``allgather`` (every rank decodes every payload and sums in rank or
 ``twophase`` (DeepSpeed-style compressed allreduce: alltoall of chunks, each rank
 averages its chunk, applies a server-side residual and compresses again, then an
 allgather), whose traffic per rank stays about 2(p-1)/p * S/32 as p grows. ``auto``
-picks twophase for 3 or more ranks on buckets of at least 65536 elements.
+picks, per bucket and p, the cheaper of the two by the cost model
+(``gradfuse.compressors.cost``; docs/compressors.md).
 
 With DGC's momentum correction (``momentum=m``, SGD; gradfuse.compressors.momentum) the
 compressor reads the rank's velocity ``u = m * u + g`` and error feedback runs on it.
@@ -37,7 +38,6 @@ from .base import Compressor, kernels, tensor_counts
 
 ALGORITHMS = ("auto", "allgather", "twophase")
 VELOCITY = ("sent", "local")
-TWOPHASE_MIN_ELEMENTS = 1 << 16
 
 
 def onebit_sizes(counts, block):
@@ -83,6 +83,7 @@ class OneBit(Compressor):
     error_feedback_default = True
     supports_cuda = True
     OPTIONS = {"block_size": 512, "algorithm": "auto", "velocity": "sent"}
+    AUTO = ("allgather", "twophase")
 
     def validate(self):
         b = self.options["block_size"]
@@ -107,13 +108,6 @@ class OneBit(Compressor):
     @property
     def block(self):
         return self.options["block_size"]
-
-    def algorithm_for(self, n, p):
-        """The collective for a bucket of n elements on p ranks (the same on every rank)."""
-        algo = self.options["algorithm"]
-        if algo != "auto":
-            return algo
-        return "twophase" if p >= 3 and n >= TWOPHASE_MIN_ELEMENTS else "allgather"
 
     def bucket_layout(self, ctx):
         words, scales = onebit_sizes(ctx.counts, self.block)

@@ -10,7 +10,9 @@ the t-th non-empty tensor of the bucket (t = 0, 1, ...) draws from
 arithmetic only, the same on every device. Every element is chosen with probability
 1/length (about k_i/n_i) at every step, independently of the other steps, as with a
 uniform draw of k_i of n_i. Payload: the K = sum of k_i float32 values, tensor after
-tensor. Residual: c with the sent positions set to 0. The step counter is part of the
+tensor. Collectives: ``allgather``, or ``allreduce`` (the K values summed at the shared
+positions, ``gradfuse.compressors.sparse_allreduce``; the same bits); ``auto`` picks by
+the cost model. Residual: c with the sent positions set to 0. The step counter is part of the
 pipeline's checkpointed state, so a restored run draws the same positions.
 """
 import numpy as np
@@ -30,7 +32,11 @@ class RandomK(Compressor):
     name = "randomk"
     error_feedback_default = True
     supports_cuda = True
-    OPTIONS = {"ratio": 0.01, "seed": 0}
+    OPTIONS = {"ratio": 0.01, "seed": 0, "algorithm": "auto"}
+    # every rank draws the same positions, so the values can be summed by an allreduce
+    # (gradfuse.compressors.sparse_allreduce); "auto" picks by the cost model
+    AUTO = ("allgather", "sparse_allreduce")
+    ALGORITHM_NAMES = {"allreduce": "sparse_allreduce"}
 
     def validate(self):
         check_ratio(self.options)
@@ -38,6 +44,9 @@ class RandomK(Compressor):
         if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s <= M64:
             raise ValueError(f"option 'seed' must be an int in [0, 2**64), got {s!r}")
         self.options["seed"] = int(s)
+        if self.options["algorithm"] not in ("auto", "allgather", "allreduce"):
+            raise ValueError(f"option 'algorithm' must be one of auto, allgather, allreduce, "
+                             f"got {self.options['algorithm']!r}")
 
     def __init__(self, **options):
         super().__init__(**options)

@@ -2,9 +2,13 @@
 
 Residuals are per rank and per fusion bucket, keyed by the plan's digest (which covers
 names, shapes, dtypes, options and the bucket layout) and the bucket index, so a residual
-can only ever be applied to the bucket it came from. Each residual is double-buffered:
-kernels write the new residual into the spare buffer, and ``commit`` swaps it in once every
-rank has agreed the step was finite. With ``momentum`` (DGC's momentum correction,
+can only ever be applied to the bucket it came from. On a GPU (and with momentum) each
+residual is double-buffered: kernels write the new residual into the spare buffer, and
+``commit`` swaps it in once every rank has agreed the step was finite. On the host a
+residual is a single buffer (``single``): the step first agrees that every compressed
+input is finite (``gradfuse.step.inputs_finite``) and the kernels then update it in place
+(``nxt is cur``); a step that cannot promise that gets a spare for that step only
+(``spare()``), dropped again at ``commit``/``release``. With ``momentum`` (DGC's momentum correction,
 ``gradfuse.compressors.momentum``) each bucket also keeps this rank's velocity, double-
 buffered the same way, and a pending factor ``velocity_scale`` that the next velocity
 update folds into the momentum (``CompressionState.scale_velocity``).
@@ -24,7 +28,8 @@ FORMAT = "gradfuse-state-1"
 
 
 class BucketState:
-    """One bucket's residuals (worker and server) and velocity, double-buffered, in ``bk``'s memory.
+    """One bucket's residuals (worker and server) and velocity in ``bk``'s memory: residuals single
+    (host, ``single``) or double-buffered, the velocity double-buffered.
 
     The three parts are sized independently (``ensure``): a bucket that runs uncompressed
     during warm-up keeps a velocity and no residual, and gets its residual when compression
@@ -32,10 +37,11 @@ class BucketState:
     """
 
     __slots__ = ("n", "cur", "nxt", "server_cur", "server_nxt", "vel_cur", "vel_nxt", "vscale",
-                 "algorithm", "device", "bk", "tables")
+                 "algorithm", "device", "bk", "tables", "single")
 
-    def __init__(self, n, server_n, algorithm, bk, velocity=0):
+    def __init__(self, n, server_n, algorithm, bk, velocity=0, single=False):
         self.bk = bk
+        self.single = single     # one buffer per residual, updated in place (host; see the module docstring)
         self.device = (bk.device, bk.device_id)
         self.algorithm = algorithm
         self.n = -1
@@ -47,10 +53,12 @@ class BucketState:
     def ensure(self, n, server_n, velocity):
         """Give each part the size asked for: a part whose size changes starts from zero."""
         bk = self.bk
+        spare = (lambda m: None) if self.single else (lambda m: bk.zeros(m, np.float32))   # noqa: E731
         if self.n != n:
-            self.n, self.cur, self.nxt = n, bk.zeros(n, np.float32), bk.zeros(n, np.float32)
+            self.n, self.cur, self.nxt = n, bk.zeros(n, np.float32), spare(n)
         if self.server_cur is None or self.server_cur.size != server_n:
-            self.server_cur, self.server_nxt = bk.zeros(server_n, np.float32), bk.zeros(server_n, np.float32)
+            self.server_cur, self.server_nxt = bk.zeros(server_n, np.float32), spare(server_n)
+        self.release()
         if self.vel_cur is None or self.vel_cur.size != velocity:
             self.vel_cur, self.vel_nxt = bk.zeros(velocity, np.float32), bk.zeros(velocity, np.float32)
             self.vscale = 1.0
@@ -58,9 +66,40 @@ class BucketState:
 
     def commit(self):
         """The step's residuals and velocity become current (a compressed bucket)."""
-        self.cur, self.nxt = self.nxt, self.cur
-        self.server_cur, self.server_nxt = self.server_nxt, self.server_cur
+        if self.nxt is not self.cur:
+            self.cur, self.nxt = self.nxt, self.cur
+        if self.server_nxt is not self.server_cur:
+            self.server_cur, self.server_nxt = self.server_nxt, self.server_cur
+        self.release()
         self.commit_velocity()
+
+    @property
+    def in_place(self):
+        """Whether this step's kernels update the residuals where they lie (no spare)."""
+        return self.nxt is self.cur and self.cur.size > 0 or (self.server_nxt is self.server_cur
+                                                                and self.server_cur.size > 0)
+
+    def spare(self):
+        """A single-buffered state gets spare buffers for one step (one whose inputs are not
+        known to be finite on every rank, so it may be refused and must leave the
+        residuals as they were)."""
+        if self.single:
+            if self.nxt is self.cur:
+                self.nxt = self.bk.zeros(self.cur.size, np.float32)
+            if self.server_nxt is self.server_cur:
+                self.server_nxt = self.bk.zeros(self.server_cur.size, np.float32)
+
+    def release(self):
+        """Drop a step's spare buffers (single-buffered): the kernels write in place again."""
+        if self.single:
+            self.nxt, self.server_nxt = self.cur, self.server_cur
+
+    def zero(self):
+        """Clear the residuals (a refused step whose in-place update could not be undone)."""
+        for a in (self.cur, self.server_cur):
+            if a.size:
+                a[...] = 0
+        self.release()
 
     def commit_velocity(self):
         """The step's velocity becomes current (an uncompressed bucket: residuals untouched)."""
@@ -109,20 +148,25 @@ class CompressionState:
         self._fresh_restore = False   # no compressed step since the last restore
         self._claimed_any = False
 
-    def bucket(self, key, n, server_n, algorithm, bk, velocity=0):
+    def bucket(self, key, n, server_n, algorithm, bk, velocity=0, single=False):
         """The state of bucket ``key``, in the memory of backend ``bk`` (host or a GPU):
-        ``n`` residual, ``server_n`` server-residual and ``velocity`` velocity elements.
+        ``n`` residual, ``server_n`` server-residual and ``velocity`` velocity elements;
+        ``single``: one buffer per residual, updated in place (see the module docstring).
 
         Keys do not depend on where the tensors live, so a state follows its bucket from
         host to GPU and back (it is copied over when the device changes).
         """
         st = self.buckets.get(key)
         if st is not None and st.device != (bk.device, bk.device_id):
-            moved = BucketState(st.n, st.server_cur.size, st.algorithm, bk, st.vel_cur.size)
+            moved = BucketState(st.n, st.server_cur.size, st.algorithm, bk, st.vel_cur.size, single)
+            moved.upload(st.saved())
+            self.buckets[key] = st = moved
+        if st is not None and st.single != single:      # momentum switched on or off: re-made
+            moved = BucketState(st.n, st.server_cur.size, st.algorithm, bk, st.vel_cur.size, single)
             moved.upload(st.saved())
             self.buckets[key] = st = moved
         if st is None:
-            st = BucketState(n, server_n, algorithm, bk, velocity)
+            st = BucketState(n, server_n, algorithm, bk, velocity, single)
             saved = self.pending.pop(key, None)
             if saved is not None:
                 self._claimed_any = True
@@ -135,6 +179,23 @@ class CompressionState:
         if algorithm is not None:
             st.algorithm = algorithm
         return st
+
+    def take_residual(self, key, bk):
+        """Remove bucket ``key``'s residuals and return ``(residual, server residual)`` as
+        float32 arrays in ``bk``'s memory (the caller may overwrite them), or None if it has
+        none: the bucket now runs uncompressed and its residual goes into that sum. A
+        restored, not yet claimed residual is taken too."""
+        st = self.buckets.pop(key, None)
+        if st is not None:
+            if not st.cur.size and not st.server_cur.size:
+                return None
+            return st.cur, st.server_cur
+        saved = self.pending.pop(key, None)
+        if saved is None or not (saved["residual"].size or saved["server_residual"].size):
+            return None
+        self._claimed_any = True
+        return (bk.xp.array(saved["residual"], dtype=np.float32),
+                bk.xp.array(saved["server_residual"], dtype=np.float32))
 
     def scale_velocity(self, factor):
         """Multiply every velocity by ``factor`` at its bucket's next velocity update (folded

@@ -25,7 +25,6 @@ from .. import _core
 from .base import Compressor, kernels, tensor_counts
 
 ALGORITHMS = ("auto", "allgather", "twophase")
-TWOPHASE_MIN_ELEMENTS = 1 << 16
 DEFAULT_BLOCK, DEFAULT_FACTOR = 512, 1.0
 
 
@@ -43,6 +42,7 @@ class TwoBit(Compressor):
     error_feedback_default = True
     supports_cuda = True
     OPTIONS = {"threshold": None, "factor": DEFAULT_FACTOR, "block_size": DEFAULT_BLOCK, "algorithm": "auto"}
+    AUTO = ("allgather", "twophase")
     elems_per_word = 16         # the two-phase job's view of the code words
 
     def validate(self):
@@ -80,15 +80,13 @@ class TwoBit(Compressor):
     def block(self):
         return self.options["block_size"]
 
-    def algorithm_for(self, n, p):
+    def algorithm_for(self, n, p, link=None, counts=None):
         """The collective for a bucket of n elements on p ranks (the same on every rank):
-        1-bit's rule for ``auto``; the absolute format always allgathers."""
-        algo = self.options["algorithm"]
+        the absolute format always allgathers; the scaled one as every compressor does
+        (``auto``: the cheaper of ``AUTO`` by the cost model)."""
         if self.absolute:
             return "allgather"
-        if algo != "auto":
-            return algo
-        return "twophase" if p >= 3 and n >= TWOPHASE_MIN_ELEMENTS else "allgather"
+        return super().algorithm_for(n, p, link, counts)
 
     def bucket_layout(self, ctx):
         if self.absolute:

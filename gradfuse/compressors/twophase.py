@@ -94,8 +94,7 @@ class TwoPhaseJob(BucketJob):
             mk = lambda: bk.empty_bytes(wire.nbytes * p).reshape(p, wire.nbytes)   # noqa: E731
             e0, e1 = self.chunk(lay, self.comm.rank)[:2]
             bufs = (mk(), mk(), bk.empty_bytes(wire.nbytes), mk(),
-                    bk.empty(lay.nwords, np.uint32), bk.empty(lay.nblocks, np.float32),
-                    bk.empty(e1 - e0, np.float32))
+                    bk.empty(lay.nwords, np.uint32), bk.empty(lay.nblocks, np.float32), e1 - e0)
             self.cache.clear()
             self.cache["twophase-layout"] = lay
             self.cache[key] = bufs
@@ -114,22 +113,24 @@ class TwoPhaseJob(BucketJob):
         self.wire, self.bufs = wire, bufs
 
     def _server_table(self, acc, lay, e0, e1):
-        """The chunk's parts of the tensors, as a table over ``acc`` (the server's values);
-        made once per plan and kept with the job's buffers (resident on a GPU)."""
+        """The chunk's parts of the tensors, as a table over ``acc`` (the server's values, in
+        the plan's shared scratch); made once per plan and scratch address and kept with the
+        job's buffers (resident on a GPU)."""
+        base = acc.ctypes.data if isinstance(acc, np.ndarray) else acc.data.ptr
         tab = self.cache.get("twophase-server")
-        if tab is None:
+        if tab is None or tab[-1] != base:
             cnt = np.array(lay.pieces(e0, e1), np.int64)
             off = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64) if cnt.size else cnt
-            base = acc.ctypes.data if isinstance(acc, np.ndarray) else acc.data.ptr
             bk = self.bk
             tab = self.cache["twophase-server"] = (bk.pointers((base + 4 * off).astype(np.int64)),
-                                                   bk.pointers(off), bk.pointers(cnt), 0, cnt.size)
-        return tab
+                                                   bk.pointers(off), bk.pointers(cnt), 0, cnt.size, base)
+        return tab[:5]
 
     def exchange(self):
         B, p, lay, cb = self.geometry()
         wire, bk, K = self.wire, self.bk, self.bk.kernels
-        send, recv, ssend, srecv, bits, scales, acc = self.bufs
+        send, recv, ssend, srecv, bits, scales, n_acc = self.bufs
+        acc = self.scratch_f32(n_acc)        # the server's sum: needed only in this stage, shared
         self.comm.alltoall(send, recv)
         # server side: my chunk from every rank, decoded, summed, compressed again
         me = self.comm.rank
