@@ -7,7 +7,7 @@ bucket (or of the step), so that later work can reorder and pipeline them:
 
 1. ``negotiate(step)``: every rank agrees on the request (``gradfuse.runtime.control``).
 2. Compressed buckets (float32, a lossy compressor, past warm-up), one job each
-   (``gradfuse.compressors.exchange``): ``compress(job)`` (residual add, compress, new
+   (``gradfuse.compressors.jobs``): ``compress(job)`` (residual add, compress, new
    residual, one fused kernel) and ``exchange(job)`` (the job's collective).
 3. ``check_finite(step, jobs)``: every rank has the same non-finite verdict here; a bad
    step raises ``NonFiniteError`` on every rank before anything is written.
@@ -16,8 +16,7 @@ bucket (or of the step), so that later work can reorder and pipeline them:
    Tensors of ``direct`` buckets are reduced where they lie (``reduce_direct``).
 5. ``decode(job)``: decode-sum-divide into the outputs, and commit the new residuals.
 
-On a GPU the same stages run on the backend's stream, after an event recorded on the
-caller's stream (the gradients' producer), and the step synchronizes before it returns.
+On a GPU the stages run on the backend's stream, after an event on the caller's stream; it syncs at the end.
 """
 import numpy as np
 

@@ -6,7 +6,7 @@ import gradfuse
 from gradfuse import compressors
 from gradfuse.comm import SingleProcessCommunicator
 from gradfuse.bench import fixed
-from gradfuse.compressors import Compressor, create
+from gradfuse.compressors import Compressor, cost, create
 
 LOSSY = [("fp16", {}), ("bf16", {}), ("1bit", {"block_size": 64}), ("2bit", {"threshold": 0.2}),
          ("2bit", {}), ("2bit", {"block_size": 64, "factor": 0.5}),
@@ -212,6 +212,8 @@ def test_twobit_formats_and_algorithms():
     mx = create("2bit", threshold=0.5)
     assert mx.absolute and [(d.str, c) for d, c in mx.bucket_layout(ctx)] == [("|u1", 260)]
     assert mx.algorithm_for(1 << 20, 8) == "allgather"
-    assert scaled.algorithm_for(1 << 16, 3) == "twophase" and scaled.algorithm_for(1 << 16, 2) == "allgather"
+    # auto: the cost model's choice (docs/compressors.md): never two-phase on 2 ranks, two-phase on big buckets at 3+
+    assert scaled.algorithm_for(1 << 22, 3) == "twophase" and scaled.algorithm_for(1 << 22, 2) == "allgather"
+    assert scaled.algorithm_for(1 << 16, 8) == cost.best(scaled, ("allgather", "twophase"), 1 << 16, 8, cost.DEFAULT_LINK)
     assert scaled.algorithm_for((1 << 16) - 1, 3) == "allgather"
     assert create("2bit", algorithm="twophase").algorithm_for(10, 2) == "twophase"

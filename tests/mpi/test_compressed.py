@@ -531,7 +531,7 @@ def test_host_residuals_are_single_buffered_and_spared_only_for_a_bad_step(world
     assert all(st.nxt is st.cur for st in pipe.state.buckets.values())
     # a sum that overflows (finite, huge terms) only costs that step its in-place update
     big = {"w": np.full(64, 3e38, np.float32)}
-    two = gradfuse.Pipeline(compress="2bit")
+    two = gradfuse.Pipeline(compress="2bit", threshold=0.5)
     two.allreduce(big)
     with pytest.raises(NonFiniteError, match="the residuals are unchanged"):
         two.allreduce(big)                             # g + e overflows; the spare kept e
@@ -540,10 +540,10 @@ def test_host_residuals_are_single_buffered_and_spared_only_for_a_bad_step(world
 
 
 def test_finite_inputs_that_overflow_in_place_reset_the_residual_and_say_so(world):
-    """g + e can overflow float32 with finite g and e (2-bit keeps nearly all of a huge
+    """g + e can overflow float32 with finite g and e (MXNet's 2-bit keeps nearly all of a huge
     value as residual): the in-place update cannot be undone, so the step is refused on
     every rank, the message says the residuals were reset, and they are zero."""
-    pipe = gradfuse.Pipeline(compress="2bit")
+    pipe = gradfuse.Pipeline(compress="2bit", threshold=0.5)
     huge = lambda: {"w": np.tile(np.repeat(np.float32([3e38, -3e38]), 8), 4)}   # noqa: E731  (its sum is finite)
     pipe.allreduce(huge())                              # residual about +-3e38
     with pytest.raises(NonFiniteError, match=r"residuals of 1 bucket\(s\) were reset to zero") as info:
