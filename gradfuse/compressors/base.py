@@ -82,6 +82,17 @@ def tensor_counts(ctx, n):
     return counts
 
 
+def block_parts(ctx, n, per_word, block):
+    """Per tensor of a block format (codes packed ``per_word`` to a uint32 word, one float32
+    per ``block`` elements, both restarting at every tensor): the (element, word, value)
+    starts and the (elements, words, values) counts."""
+    w = s = e = 0
+    for m in tensor_counts(ctx, n):
+        nw, ns = -(-m // per_word), -(-m // block)
+        yield e, w, s, m, nw, ns
+        e, w, s = e + m, w + nw, s + ns
+
+
 def kernels(ctx):
     """The kernel module for the bucket's memory: ``gradfuse._core`` or ``gradfuse.gpu``."""
     if ctx.device == "cpu":

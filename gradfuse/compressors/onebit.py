@@ -34,7 +34,7 @@ DGC's form (the velocity never sees the compressor), which on the digits CNN at 
 import numpy as np
 
 from .. import _core
-from .base import Compressor, kernels, tensor_counts
+from .base import Compressor, block_parts, kernels
 
 ALGORITHMS = ("auto", "allgather", "twophase")
 VELOCITY = ("sent", "local")
@@ -113,25 +113,17 @@ class OneBit(Compressor):
         words, scales = onebit_sizes(ctx.counts, self.block)
         return [(np.dtype(np.uint32), words), (np.dtype(np.float32), scales)]
 
-    def _parts(self, n, ctx):
-        """(element, word, scale) start and (elements, words, scales) of every tensor."""
-        w = s = e = 0
-        for m in tensor_counts(ctx, n):
-            nw, ns = (m + 31) // 32, -(-m // self.block)
-            yield e, w, s, m, nw, ns
-            e, w, s = e + m, w + nw, s + ns
-
     def compress(self, c, payloads, ctx):
         empty = np.zeros(0, np.float32)
         c = np.ascontiguousarray(c, np.float32)
-        for e, w, s, m, nw, ns in self._parts(c.size, ctx):
+        for e, w, s, m, nw, ns in block_parts(ctx, c.size, 32, self.block):
             _core.onebit_compress_array(c[e:e + m], empty, empty, self.block, payloads[0][w:w + nw],
                                         payloads[1][s:s + ns])
 
     def decompress(self, payloads, n, ctx):
         out = np.empty(n, np.float32)
         bits, scales = np.ascontiguousarray(payloads[0]), np.ascontiguousarray(payloads[1])
-        for e, w, s, m, nw, ns in self._parts(n, ctx):
+        for e, w, s, m, nw, ns in block_parts(ctx, n, 32, self.block):
             _core.onebit_decompress_sum_array(bits[w:w + nw].reshape(1, -1), scales[s:s + ns].reshape(1, -1),
                                               self.block, out[e:e + m], 1.0)
         return out

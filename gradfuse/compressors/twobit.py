@@ -22,7 +22,7 @@ trains only where T suits every tensor (docs/experiments.md, issue 14). Allgathe
 import numpy as np
 
 from .. import _core
-from .base import Compressor, kernels, tensor_counts
+from .base import Compressor, block_parts, kernels
 
 ALGORITHMS = ("auto", "allgather", "twophase")
 DEFAULT_BLOCK, DEFAULT_FACTOR = 512, 1.0
@@ -94,21 +94,13 @@ class TwoBit(Compressor):
         words, values = twobit_sizes(ctx.counts or (ctx.n,), self.block)
         return [(np.dtype(np.uint32), words), (np.dtype(np.float32), values)]
 
-    def _parts(self, n, ctx):
-        """(element, word, value) start and (elements, words, values) of every tensor."""
-        w = s = e = 0
-        for m in tensor_counts(ctx, n):
-            nw, ns = (m + 15) // 16, -(-m // self.block)
-            yield e, w, s, m, nw, ns
-            e, w, s = e + m, w + nw, s + ns
-
     def compress(self, c, payloads, ctx):
         empty = np.zeros(0, np.float32)
         c = np.ascontiguousarray(c, np.float32)
         if self.absolute:
             _core.twobit_compress_array(c, empty, empty, self.options["threshold"], payloads[0])
             return
-        for e, w, s, m, nw, ns in self._parts(c.size, ctx):
+        for e, w, s, m, nw, ns in block_parts(ctx, c.size, 16, self.block):
             _core.twobit_block_compress_array(c[e:e + m], empty, empty, self.block, self.options["factor"],
                                               payloads[0][w:w + nw], payloads[1][s:s + ns])
 
@@ -119,7 +111,7 @@ class TwoBit(Compressor):
                                               self.options["threshold"], out, 1.0)
             return out
         codes, values = np.ascontiguousarray(payloads[0]), np.ascontiguousarray(payloads[1])
-        for e, w, s, m, nw, ns in self._parts(n, ctx):
+        for e, w, s, m, nw, ns in block_parts(ctx, n, 16, self.block):
             _core.twobit_block_decompress_sum_array(codes[w:w + nw].reshape(1, -1), values[s:s + ns].reshape(1, -1),
                                                     self.block, out[e:e + m], 1.0)
         return out
