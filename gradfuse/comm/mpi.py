@@ -25,6 +25,8 @@ def mpi():
 
 
 _SUM16 = {}
+#: the smallest 16-bit buffer (words) that allreduce16 sums as a ring from 3 ranks on
+RING16_MIN = 1 << 13
 
 
 def _sum16_op(fmt):
@@ -146,17 +148,45 @@ class MPICommunicator(Communicator):
 
     # --- data plane ----------------------------------------------------------------
     def allreduce_inplace(self, arr):
+        if arr.dtype == np.float16:
+            return self._sum16_inplace(arr, _f16_sum_op())
         mtype, op = _type_and_op(arr.dtype)
         self.data.Allreduce(self._in_place, [arr, mtype], op=op)
         return arr
 
     def allreduce(self, src, dst):
+        if src.dtype == np.float16 and src.flags.c_contiguous and dst.flags.c_contiguous:
+            np.copyto(dst, src)
+            return self._sum16_inplace(dst, _f16_sum_op())
         mtype, op = _type_and_op(src.dtype)
         self.data.Allreduce([src, mtype], [dst, mtype], op=op)
         return dst
 
     def allreduce16(self, buf, fmt, native=False):
-        self.data.Allreduce(self._in_place, [buf, mpi().UINT16_T], op=_sum16_op(fmt))
+        return self._sum16_inplace(buf, _sum16_op(fmt))
+
+    def _sum16_inplace(self, buf, op):
+        """A 16-bit sum (user-defined ``op``) in place. MPICH sums a user-defined op by
+        recursive doubling, which sends log2(p) x the buffer per rank (measured on the
+        emulated links: 153.7 MB for ResNet-50's fp16 gradients at p = 8, against the ring's
+        89.5). From 3 ranks on, a buffer of at least ``RING16_MIN`` words is summed as a ring
+        is: a reduce-scatter in place, then an allgather, 2(p-1)/p x the buffer; each chunk
+        is summed by one rank and then copied, so every rank still holds the same bits."""
+        MPI = mpi()
+        p, n = self.size, buf.size
+        flat = buf.reshape(-1).view(np.uint16)
+        if p < 3 or n < RING16_MIN:
+            self.data.Allreduce(self._in_place, [flat, MPI.UINT16_T], op=op)
+            return buf
+        counts = [n // p + (1 if r < n % p else 0) for r in range(p)]
+        displs = [0] * p
+        for r in range(1, p):
+            displs[r] = displs[r - 1] + counts[r - 1]
+        self.data.Reduce_scatter(MPI.IN_PLACE, [flat, MPI.UINT16_T], counts, op=op)
+        me = self.rank
+        if displs[me]:              # in place, rank r's reduced chunk lands at the buffer's start
+            flat[displs[me]:displs[me] + counts[me]] = flat[:counts[me]].copy()
+        self.data.Allgatherv(MPI.IN_PLACE, [flat, (counts, displs), MPI.UINT16_T])
         return buf
 
     def allreduce_op(self, src, dst, op):
