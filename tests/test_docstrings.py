@@ -92,3 +92,21 @@ def test_the_check_sees_a_missing_docstring():
     mod.__all__ = ["Documented", "undocumented"]
     mod.Documented, mod.undocumented = Documented, undocumented
     assert missing_docstrings(mod) == ["fake.Documented.bad", "fake.undocumented"]
+
+
+def test_register_compressor_example_runs():
+    """The docstring example of ``register_compressor`` (a user's own compressor, on one rank)
+    runs and prints what it says; the name it registers is removed again."""
+    import doctest
+
+    from gradfuse.compressors import registry
+    finder = doctest.DocTestFinder()
+    tests = [t for t in finder.find(registry) if t.name.endswith("register_compressor")]
+    assert tests and tests[0].examples
+    runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+    try:
+        for t in tests:
+            runner.run(t)
+    finally:
+        registry._REGISTRY.pop("sign8", None)
+    assert runner.failures == 0 and runner.tries >= 6, runner.summarize()
