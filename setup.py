@@ -19,7 +19,11 @@ directives = {
     "wraparound": debug,
     "initializedcheck": debug,
     "cdivision": not debug,
+    # the compiled functions' docstrings start with their signature (Python's own
+    # introspection sees none), in Python syntax so that Sphinx's autodoc renders it
+    # (docs/api/kernels.md): ``pack(buf: uint8_t[::1], src: const_int64_t[::1], ...)``
     "embedsignature": True,
+    "embedsignature.format": "python",
 }
 
 # -ffp-contract=off: no FMA contraction, so scalar, SIMD and GPU paths can agree bit

@@ -116,6 +116,7 @@ class Communicator(ABC):
         raise SystemExit(code)
 
     def describe(self):
+        """A one-line description for error messages: the kind, this rank and the size."""
         return f"{self.kind} communicator, rank {self.rank} of {self.size}"
 
     def __repr__(self):

@@ -71,6 +71,7 @@ class BucketContext:
 
     @property
     def n(self):
+        """The bucket's element count: the sum of ``counts``."""
         return sum(self.counts)
 
 

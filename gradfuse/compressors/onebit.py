@@ -79,6 +79,26 @@ class BlockLayout:
 
 
 class OneBit(Compressor):
+    """1-bit compression, ``"1bit"``: one sign bit per element and one float32 scale per block.
+
+    The format, the collectives and the momentum handling are in this module's docstring
+    (``gradfuse.compressors.onebit``) and docs/compressors.md. Error feedback is on by
+    default.
+
+    Args:
+        block_size: elements per scale, a multiple of 32 (default 512); blocks restart at
+            every tensor of the bucket.
+        algorithm: ``"auto"`` (default: the cheaper collective by the cost model),
+            ``"allgather"`` or ``"twophase"`` (DeepSpeed-style compressed allreduce).
+        velocity: with ``momentum``: ``"sent"`` (default: the velocity becomes the decoded
+            values this rank sent) or ``"local"`` (DGC's form).
+        **options: the options every compressor takes (``Compressor``).
+
+    Example:
+        >>> import gradfuse
+        >>> pipe = gradfuse.Pipeline(compress="1bit", block_size=256)   # doctest: +SKIP
+    """
+
     name = "1bit"
     error_feedback_default = True
     supports_cuda = True
@@ -107,6 +127,7 @@ class OneBit(Compressor):
 
     @property
     def block(self):
+        """The block size: elements per float32 scale (option ``block_size``)."""
         return self.options["block_size"]
 
     def bucket_layout(self, ctx):

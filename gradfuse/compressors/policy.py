@@ -147,6 +147,7 @@ class LayerPolicy:
 
     @property
     def name(self):
+        """The single compressor's name, or ``"policy(pattern: name, ...)"`` for a policy."""
         return self.main.name if self.single else "policy(" + ", ".join(
             f"{p}: {self.compressors[g].name}" for p, g in self.rules) + ")"
 

@@ -29,6 +29,25 @@ def step_seed(seed, step, bucket):
 
 
 class RandomK(Compressor):
+    """Random-k sparsification, ``"randomk"``: ``k_i`` positions per tensor drawn from a shared seed.
+
+    Every rank draws the same positions (from ``seed``, the step and the bucket; the
+    module docstring, ``gradfuse.compressors.randomk``, gives the draw), so only the
+    float32 values travel. ``k_i`` is top-k's. Error feedback is on by default.
+
+    Args:
+        ratio: the fraction of every tensor's elements sent, in (0, 1] (default 0.01).
+        seed: the shared seed, an int in [0, 2**64) (default 0).
+        algorithm: ``"auto"`` (default: by the cost model), ``"allgather"`` or
+            ``"allreduce"`` (the values summed at the shared positions).
+        **options: the options every compressor takes (``Compressor``), ``sparsity_warmup``
+            included.
+
+    Example:
+        >>> import gradfuse
+        >>> pipe = gradfuse.Pipeline(compress="randomk", ratio=0.01, seed=7)  # doctest: +SKIP
+    """
+
     name = "randomk"
     error_feedback_default = True
     supports_cuda = True

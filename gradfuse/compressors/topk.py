@@ -41,6 +41,24 @@ def table_ks(ratio, table):
 
 
 class TopK(Compressor):
+    """Top-k sparsification, ``"topk"``: the largest ``|c|`` of every tensor, as values + indices.
+
+    Every tensor of a bucket sends its own ``k_i = min(n_i, max(1, ceil(ratio * n_i)))``
+    largest-magnitude elements (ties to the lower index); the payload is the float32 values
+    then their uint32 bucket positions, and the ranks' payloads are allgathered and summed.
+    Error feedback is on by default (the residual is ``c`` with the sent positions zeroed);
+    with ``momentum``, DGC's momentum factor masking is on too.
+
+    Args:
+        ratio: the fraction of every tensor's elements sent, in (0, 1] (default 0.01).
+        **options: the options every compressor takes (``Compressor``), ``sparsity_warmup``
+            included.
+
+    Example:
+        >>> import gradfuse
+        >>> pipe = gradfuse.Pipeline(compress="topk", ratio=0.001)     # doctest: +SKIP
+    """
+
     name = "topk"
     error_feedback_default = True
     supports_cuda = True

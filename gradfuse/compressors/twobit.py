@@ -38,6 +38,27 @@ def _number(x):
 
 
 class TwoBit(Compressor):
+    """2-bit quantization, ``"2bit"``: three levels (+v, 0, -v) per element.
+
+    Two formats (this module's docstring, ``gradfuse.compressors.twobit``, gives the math
+    and the layouts; docs/compressors.md the details). Error feedback is on by default.
+
+    Args:
+        threshold: None (default) selects the scaled format, whose threshold follows each
+            block's scale; a number T > 0 selects MXNet's absolute format (+T, 0, -T,
+            allgather only).
+        factor: scaled format: the threshold is ``factor`` times the block's mean ``|c|``
+            (default 1.0).
+        block_size: scaled format: elements per block, a multiple of 32 (default 512).
+        algorithm: ``"auto"`` (default), ``"allgather"`` or ``"twophase"`` (scaled only).
+        **options: the options every compressor takes (``Compressor``).
+
+    Example:
+        >>> import gradfuse
+        >>> pipe = gradfuse.Pipeline(compress="2bit")                   # doctest: +SKIP
+        >>> mxnet_like = gradfuse.Pipeline(compress="2bit", threshold=0.5)  # doctest: +SKIP
+    """
+
     name = "2bit"
     error_feedback_default = True
     supports_cuda = True
@@ -78,6 +99,7 @@ class TwoBit(Compressor):
 
     @property
     def block(self):
+        """The scaled format's block size (option ``block_size``)."""
         return self.options["block_size"]
 
     def algorithm_for(self, n, p, link=None, counts=None):
@@ -125,6 +147,8 @@ class TwoBit(Compressor):
 
     # --- the fused kernels by format (the two-phase job calls these too) ----------------
     def block_compress(self, K, table, e_in, e_out, payloads):
+        """Compress the table rows ``lo..hi`` with the kernel set ``K`` (CPU or GPU), in this
+        compressor's format, writing the residual to ``e_out`` (the two-phase job calls it)."""
         src, off, cnt, lo, hi = table
         if self.absolute:
             return K.twobit_compress(src, off, cnt, lo, hi, e_in, e_out, self.options["threshold"], payloads[0])
@@ -132,6 +156,8 @@ class TwoBit(Compressor):
                                        payloads[0], payloads[1])
 
     def block_decompress_sum(self, K, rows, table, divisor):
+        """Decode every rank's payload in ``rows``, sum them in rank order, divide by
+        ``divisor`` and write the table rows ``lo..hi`` with the kernel set ``K``."""
         dst, off, cnt, lo, hi = table
         if self.absolute:
             K.twobit_decompress_sum(rows[0], self.options["threshold"], dst, off, cnt, lo, hi, divisor)

@@ -94,10 +94,12 @@ class RunSpec:
         return f"{self.experiment}-{safe}-s{self.seed}-w{self.workers}-{digest}"
 
     def to_dict(self):
+        """The run as a plain dict of its fields (what the results store writes)."""
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d):
+        """The ``RunSpec`` of a ``to_dict()`` dict."""
         return cls(**d)
 
 

@@ -134,11 +134,11 @@ def onebit_compress(const int64_t[::1] src_ptrs, const int64_t[::1] offsets,
                     const int64_t[::1] counts, Py_ssize_t lo, Py_ssize_t hi,
                     const float[::1] e_in, float[::1] e_out, int block,
                     uint32_t[::1] bits, float[::1] scales):
-    """1-bit sign compression with per-block mean-|c| scales and error feedback.
+    """1-bit sign compression with per-block ``mean |c|`` scales and error feedback.
 
     c = g + e_in (or c = g when e_in/e_out are empty); blocks of ``block`` elements
     restart at every tensor (row) of the table, a tensor's last block may be short;
-    for each block s = mean|c| in the canonical lane/tree order; bit = c >= 0; residual
+    for each block ``s = mean |c|`` in the canonical lane/tree order; bit = c >= 0; residual
     e_out = c - (s if bit else -s). e_in and e_out may be the same array; when they
     differ e_in is never written. Each tensor's bits start on a new word: ``bits`` has
     sum(ceil(n_i/32)) words, ``scales`` sum(ceil(n_i/block)) floats, tensor after

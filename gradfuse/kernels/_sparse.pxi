@@ -96,7 +96,7 @@ def topk_compress(const int64_t[::1] src_ptrs, const int64_t[::1] offsets, const
     """Top-k with error feedback, per tensor, over table rows lo..hi-1 (one bucket of n elements).
 
     c = g + e_in (c = g when e_in/e_out are empty). Row i selects its own ks[i - lo]
-    elements: the positions of its largest |c| (as bits(c) & 0x7fffffff), ties to the
+    elements: the positions of its largest ``|c|`` (as ``bits(c) & 0x7fffffff``), ties to the
     lower position. indices <- those bucket positions, row after row (so ascending);
     values[m] <- c[indices[m]]; e_out <- c with e_out[indices] = 0. e_out may be e_in;
     e_in is never written otherwise. Returns the number of non-finite c values.

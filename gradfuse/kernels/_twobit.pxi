@@ -72,11 +72,11 @@ def twobit_block_compress(const int64_t[::1] src_ptrs, const int64_t[::1] offset
                           uint32_t[::1] codes, float[::1] values):
     """Scaled 2-bit compression with error feedback, blocks per tensor.
 
-    c = g + e_in (or g when e_in/e_out are empty); per block s = mean|c| (the 1-bit
+    c = g + e_in (or g when e_in/e_out are empty); per block ``s = mean |c|`` (the 1-bit
     scale's order), t = s * factor; code + if c > 0 and c >= t, - if c < 0 and c <= -t;
-    v = mean |c| of the selected (0 if none); e_out = c - (+v, -v or 0). ``codes`` has
+    ``v = mean |c|`` of the selected (0 if none); e_out = c - (+v, -v or 0). ``codes`` has
     sum(ceil(n_i/16)) words, ``values`` sum(ceil(n_i/block)) floats, tensor after tensor.
-    Returns the number of blocks whose mean |c| is not finite.
+    Returns the number of blocks whose ``mean |c|`` is not finite.
     """
     cdef int64_t n = _q_table_n("twobit_block_compress", src_ptrs, offsets, counts, lo, hi)
     if n == 0:

@@ -158,10 +158,12 @@ def nccl_built():
 
 
 def ddl_built():
+    """False: gradfuse has no IBM DDL support (Horovod's query, kept for compatibility)."""
     return False
 
 
 def ccl_built():
+    """False: gradfuse has no oneCCL support (Horovod's query, kept for compatibility)."""
     return False
 
 
@@ -171,6 +173,7 @@ def cuda_built():
 
 
 def rocm_built():
+    """False: gradfuse has no ROCm build (Horovod's query, kept for compatibility)."""
     return False
 
 

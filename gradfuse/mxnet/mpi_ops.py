@@ -82,9 +82,12 @@ class AsyncHandle:
         self._handle, self._result = handle, result
 
     def done(self):
+        """True once the collective has finished (never blocks), as ``poll(handle)``."""
         return self._handle.done()
 
     def wait(self):
+        """Block until the collective has finished; return its result or raise its error
+        (as ``synchronize(handle)``)."""
         try:
             _wait(self._handle)
         except BaseException:

@@ -136,6 +136,7 @@ def flush(timeout=None):
 
 
 def is_initialized():
+    """True once ``init()`` has set up the default communicator of this process."""
     return _default is not None
 
 

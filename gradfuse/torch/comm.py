@@ -168,4 +168,5 @@ class TorchCommunicator(Communicator):
         os._exit(code)          # torch.distributed has no job-wide abort; the launcher ends the others
 
     def describe(self):
+        """A one-line description for error messages: the backend, this rank and the size."""
         return f"torch.distributed ({dist.get_backend(self.group)}) communicator, rank {self.rank} of {self.size}"

@@ -50,7 +50,9 @@ class CompressionState:
             ``momentum``, their velocity is not carried over into compression). Default 0.
         module: the model (or its DDP wrapper), to name tensors by parameter name for the
             layer policy and error messages; else they are ``bucket<i>.<j>``.
-        min_elements, nonfinite, **options: as ``gradfuse.Pipeline`` (``ratio``,
+        min_elements: as ``gradfuse.Pipeline``.
+        nonfinite: as ``gradfuse.Pipeline``.
+        **options: the compressor's options, as ``gradfuse.Pipeline`` takes them (``ratio``,
             ``block_size``, ``error_feedback``, ``warmup_steps``, ``nesterov``, ...).
 
     Each DDP bucket index and layout (its tensors' names, shapes, dtype) has a pipeline

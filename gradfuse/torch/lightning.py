@@ -47,6 +47,8 @@ class GradfuseDDPStrategy(DDPStrategy):
         self.model.register_comm_hook(self.gradfuse_state, comm_hook)
 
     def setup(self, trainer):
+        """``DDPStrategy.setup``, then a warning if an optimizer keeps its own momentum while
+        the hook's state has DGC's (``CompressionState.check_optimizer``)."""
         super().setup(trainer)
         if self.gradfuse_state is not None:
             for opt in self.optimizers:
