@@ -122,9 +122,22 @@ class TorchCommunicator(Communicator):
         np.copyto(dst, src)
         return self.allreduce_inplace(dst)
 
-    def allreduce16(self, buf, fmt):
+    def allreduce_op(self, src, dst, op):
+        """Reduce with ``op`` ("sum", "min", "max", "prod") by the backend, ``src`` into ``dst``
+        (the pipeline's agreements: the finiteness flags, fp16's max |x|)."""
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
+               "prod": dist.ReduceOp.PRODUCT}
+        if op not in ops:
+            raise ValueError(f"torch communicator: unknown reduction {op!r} (one of {', '.join(ops)})")
+        if src is not dst:
+            np.copyto(dst, src)
+        dist.all_reduce(_tensor(dst), op=ops[op], group=self.group)
+        return dst
+
+    def allreduce16(self, buf, fmt, native=False):
         """fp16 (fmt 1) / bf16 (fmt 2) words summed by the backend (gloo: each pairwise add in
-        float32, rounded once)."""
+        float32, rounded once); the backend's sum is the only one here, so ``native`` changes
+        nothing."""
         dist.all_reduce(torch.from_numpy(buf.reshape(-1)).view(_FMT16[fmt]), group=self.group)
         return buf
 
