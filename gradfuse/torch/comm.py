@@ -124,7 +124,7 @@ class TorchCommunicator(Communicator):
 
     def allreduce_op(self, src, dst, op):
         """Reduce with ``op`` ("sum", "min", "max", "prod") by the backend, ``src`` into ``dst``
-        (the pipeline's agreements: the finiteness flags, fp16's max |x|)."""
+        (the pipeline's agreements: the finiteness flags, fp16's largest magnitude)."""
         ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX,
                "prod": dist.ReduceOp.PRODUCT}
         if op not in ops:
