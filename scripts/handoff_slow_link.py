@@ -203,20 +203,7 @@ class Profile:
         label = f"{modname.rsplit('.', 1)[-1]}.{qual}"
         prof = self
 
-        if isinstance(orig, type):          # a class called as a constructor (fence.Tables)
-            def make(*a, **kw):
-                if not prof.on:
-                    return orig(*a, **kw)
-                t = time.perf_counter()
-                try:
-                    return orig(*a, **kw)
-                finally:
-                    prof.total[label] += time.perf_counter() - t
-                    prof.count[label] += 1
-            setattr(owner, attr, make)
-            return
-
-        def wrapped(*a, **kw):
+        def wrapped(*a, **kw):          # also a class called as a constructor (fence.Tables)
             if not prof.on:
                 return orig(*a, **kw)
             t = time.perf_counter()
