@@ -27,6 +27,13 @@ def mpi():
 _SUM16 = {}
 #: the smallest 16-bit buffer (words) that allreduce16 sums as a ring from 3 ranks on
 RING16_MIN = 1 << 13
+#: the smallest float32/float64 array (elements) that ``allreduce`` (out of place) sums on 2
+#: ranks by two exchanges straight into the output, instead of MPI's out-of-place call
+#: (which first copies the input into the output: one more pass over the memory)
+OOP2_MIN = 1 << 16
+
+
+_OOP2_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
 def _sum16_op(fmt):
@@ -158,8 +165,28 @@ class MPICommunicator(Communicator):
         if src.dtype == np.float16 and src.flags.c_contiguous and dst.flags.c_contiguous:
             np.copyto(dst, src)
             return self._sum16_inplace(dst, _f16_sum_op())
+        if (self.size == 2 and src.dtype in _OOP2_DTYPES and src.size >= OOP2_MIN
+                and src.flags.c_contiguous and dst.flags.c_contiguous and dst.dtype == src.dtype):
+            return self._allreduce2(src, dst)
         mtype, op = _type_and_op(src.dtype)
         self.data.Allreduce([src, mtype], [dst, mtype], op=op)
+        return dst
+
+    def _allreduce2(self, src, dst):
+        """``dst = src + the peer's src`` on 2 ranks, with no copy of ``src`` into ``dst``
+        first: rank r owns half r; it sends the other half of ``src`` and receives the
+        peer's half r straight into ``dst``, adds its own half there, then the two ranks
+        swap their summed halves. Every element is one IEEE add of the same two values, so
+        both ranks get the bits of ``MPI_Allreduce`` (a + b == b + a). The measured gain
+        over MPI's out-of-place call is in docs/benchmarks.md (issue 15)."""
+        x, y = src.reshape(-1), dst.reshape(-1)
+        half = (x.size + 1) // 2
+        me, peer = self.rank, 1 - self.rank
+        cut = [slice(0, half), slice(half, x.size)]
+        mine, theirs = cut[me], cut[peer]
+        self.data.Sendrecv(x[theirs], dest=peer, sendtag=11, recvbuf=y[mine], source=peer, recvtag=11)
+        np.add(y[mine], x[mine], out=y[mine])
+        self.data.Sendrecv(y[mine], dest=peer, sendtag=12, recvbuf=y[theirs], source=peer, recvtag=12)
         return dst
 
     def allreduce16(self, buf, fmt, native=False):
