@@ -9,11 +9,16 @@ fraction of the 0.67 s that 84 MB take on a 1 Gbit/s link, so communication domi
 the fp32 step. Each rank runs MXNet with ``OMP_NUM_THREADS=1`` unless set (2 ranks on 2
 cores: more threads only oversubscribe them).
 
-Per compressor: two warm-up steps, then ``rounds`` timed steps, each between barriers:
-``fb`` is forward + backward (until ``mx.nd.waitall()``), ``step`` the
-``trainer.step(batch)`` call (allreduce, compression, update; waited for), ``t`` the whole
-step. Reported: medians of the slowest rank, and the bytes the trainer's pipeline counts
-as sent per step.
+Every compressor has its own copy of the net (the same initial weights) and trainer, and
+``no-exchange``, a plain ``gluon.Trainer`` with the same optimizer that reduces nothing
+(MXNet's own step: the floor of any compressor's step). Two warm-up rounds, then
+``rounds`` timed rounds; each round runs one step of every method in turn (A B C A B C:
+load that drifts hits them alike), each step between barriers: ``fb`` is forward +
+backward (until ``mx.nd.waitall()``), ``ar`` from ``trainer.step(batch)`` until the
+trainer's reductions are done (gradfuse's pipeline: compression, exchange, decompression;
+momentum correction's velocity), ``upd`` the rest of the step (MXNet's optimizer update,
+waited for), ``t`` the whole step. Reported: medians of the slowest rank, and the bytes
+the trainer's pipelines count as sent per step.
 """
 import json
 import sys
@@ -38,8 +43,12 @@ def build(mx, seed):
     return net
 
 
+NO_EXCHANGE = "no-exchange"
+
+
 def run(compressors, rounds, out):
     import os
+    import time
     os.environ.setdefault("OMP_NUM_THREADS", "1")     # read when MXNet is imported
     import mxnet as mx
     from mxnet import autograd, gluon
@@ -53,59 +62,77 @@ def run(compressors, rounds, out):
     y = mx.nd.array(rng.integers(0, LAYERS[-1], BATCH).astype(np.float32))
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     result = {"p": p, "rounds": rounds, "layers": LAYERS, "batch": BATCH, "rows": {}}
-    for name in compressors:
+    sgd = {"learning_rate": 0.01, "momentum": 0.9}
+    methods = {}
+    for name in list(compressors) + [NO_EXCHANGE]:
         net = build(mx, 0)
         net(x)
         params = net.collect_params()
-        trainer = hvd.DistributedTrainer(params, "sgd", {"learning_rate": 0.01, "momentum": 0.9},
-                                         compress=None if name == "none" else name)
-        times = {"fb": [], "step": []}
+        if name == NO_EXCHANGE:
+            trainer = gluon.Trainer(params, "sgd", dict(sgd), kvstore=None)
+        else:
+            trainer = hvd.DistributedTrainer(params, "sgd", dict(sgd), compress=None if name == "none" else name)
+        methods[name] = (net, trainer, params, {"fb": [], "ar": [], "upd": []})
 
-        def fb():
+    def make_step(name):
+        net, trainer, _, times = methods[name]
+        reducer = getattr(trainer, "_reducer", None)
+
+        def whole():
+            t0 = time.perf_counter()
             with autograd.record():
                 loss = loss_fn(net(x), y)
             loss.backward()
             mx.nd.waitall()
-
-        def step():
-            trainer.step(BATCH)
-            mx.nd.waitall()
-
-        def whole():
-            import time
-            t0 = time.perf_counter()
-            fb()
             t1 = time.perf_counter()
-            step()
+            trainer.step(BATCH)
+            if reducer is not None:
+                reducer.synchronize()         # the reductions are done: the update runs now
+            t2 = time.perf_counter()
+            mx.nd.waitall()
+            t3 = time.perf_counter()
             times["fb"].append(t1 - t0)
-            times["step"].append(time.perf_counter() - t1)
+            times["ar"].append(t2 - t1)
+            times["upd"].append(t3 - t2)
+        return whole
 
-        for _ in range(2):
-            whole()
-        times = {"fb": [], "step": []}
-        pipe = trainer.pipeline
-        sent0 = pipe.stats.bytes_sent if pipe is not None else 0
-        t = median_times({"t": whole}, rounds, sync=world.Barrier)["t"]
-        sent = ((pipe.stats.bytes_sent - sent0) / rounds) if pipe is not None else None
-        row = {"t": world.allreduce(t, op=MPI.MAX),
-               "fb": world.allreduce(float(np.median(times["fb"])), op=MPI.MAX),
-               "step": world.allreduce(float(np.median(times["step"])), op=MPI.MAX),
-               "sent": sent, "grad_bytes": sum(q.data().size * 4 for q in params.values())}
+    steps = {name: make_step(name) for name in methods}
+    median_times(steps, 2, sync=world.Barrier)           # warm-up
+    sent0 = {}
+    for name, (_, trainer, _, times) in methods.items():
+        for k in times:
+            times[k].clear()
+        pipe = getattr(trainer, "pipeline", None)
+        sent0[name] = pipe.stats.bytes_sent if pipe is not None else 0
+    t = median_times(steps, rounds, sync=world.Barrier)
+    for name, (net, trainer, params, times) in methods.items():
+        pipe = getattr(trainer, "pipeline", None)
+        sent = ((pipe.stats.bytes_sent - sent0[name]) / rounds) if pipe is not None else 0.0
+        row = {"t": world.allreduce(t[name], op=MPI.MAX), "sent": sent,
+               "grad_bytes": sum(q.data().size * 4 for q in params.values())}
+        for k in ("fb", "ar", "upd"):
+            row[k] = world.allreduce(float(np.median(times[k])), op=MPI.MAX)
+        row["step"] = row["ar"] + row["upd"]
         result["rows"][name] = row
         if rank == 0:
             sys.stderr.write(f"  [{p} ranks] e2e {name}: {row['t'] * 1e3:.1f} ms per step (forward+backward "
-                             f"{row['fb'] * 1e3:.1f}, trainer.step {row['step'] * 1e3:.1f})\n")
+                             f"{row['fb'] * 1e3:.1f}, reduction {row['ar'] * 1e3:.1f}, update "
+                             f"{row['upd'] * 1e3:.1f})\n")
             sys.stderr.flush()
-        del trainer, net, params
     if rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
     world.Barrier()
 
 
+def _ms(m, key):
+    return f"{m[key] * 1e3:.1f}" if key in m else "-"
+
+
 def report(results):
-    """Markdown: per place, the step split into compute and communication, the speedup
-    over fp32, and the bound compute + wire time allows."""
+    """Markdown: per place, the step split into forward+backward, reduction and update,
+    the speedup over fp32, and on a link Amdahl's bound from the method's own compute
+    (its local step) and communication (its bytes at the link rate)."""
     lines = []
     local = {r["p"]: r for r in results if r["place"] == "local"}
     for r in results:
@@ -116,16 +143,20 @@ def report(results):
                      f"batch {r['batch']}, {p} ranks, {where}; {r['rounds']} rounds" +
                      (f"; 1-min load average {r['load'][0]:.1f} at the start, {r['load'][1]:.1f} at the end"
                       if r.get("load") else "") + "\n")
-        head = "| compressor | ms/step | forward+backward ms | trainer.step ms | speedup vs fp32 | MB sent/rank |"
-        sep = "|---|---:|---:|---:|---:|---:|"
+        head = ("| compressor | ms/step | forward+backward ms | reduction ms | update ms | speedup vs fp32 "
+                "| MB sent/rank |")
+        sep = "|---|---:|---:|---:|---:|---:|---:|"
         if link:
-            head += " wire ms (sent / rate) | local step ms | allowed speedup | measured / allowed |"
+            head += (" communication ms (sent / rate) | compute ms (local step) | allowed speedup (Amdahl) "
+                     "| measured / allowed |")
             sep += "---:|---:|---:|---:|"
         lines += [head, sep]
         t32 = rows["none"]["t"] if "none" in rows else None
         for name, m in rows.items():
             sent = m["sent"] if m["sent"] is not None else 2 * (p - 1) / p * m["grad_bytes"]
-            row = (f"| {name} | {m['t'] * 1e3:.1f} | {m['fb'] * 1e3:.1f} | {m['step'] * 1e3:.1f} | "
+            if "ar" not in m:          # a file from before the split: trainer.step as one figure
+                m = dict(m, ar=m["step"])
+            row = (f"| {name} | {m['t'] * 1e3:.1f} | {m['fb'] * 1e3:.1f} | {_ms(m, 'ar')} | {_ms(m, 'upd')} | "
                    f"{(t32 / m['t'] if t32 else float('nan')):.2f}x | {sent / 1e6:.2f} |")
             if link:
                 wire = sent * 8 / link["bps"]
