@@ -17,8 +17,11 @@ load that drifts hits them alike), each step between barriers: ``fb`` is forward
 backward (until ``mx.nd.waitall()``), ``ar`` from ``trainer.step(batch)`` until the
 trainer's reductions are done (gradfuse's pipeline: compression, exchange, decompression;
 momentum correction's velocity), ``upd`` the rest of the step (MXNet's optimizer update,
-waited for), ``t`` the whole step. Reported: medians of the slowest rank, and the bytes
-the trainer's pipelines count as sent per step.
+waited for), ``t`` the whole step, ``xchg`` the part of the step that gradfuse's timeline
+(``gradfuse.runtime.timeline``, on during the timed rounds) records as ``exchange`` spans
+(the MPI collectives, waits for the other rank included): the step's communication, and
+``t - xchg`` its compute, both measured in the same run. Reported: medians of the slowest
+rank, and the bytes the trainer's pipelines count as sent per step.
 """
 import json
 import sys
@@ -44,6 +47,26 @@ def build(mx, seed):
 
 
 NO_EXCHANGE = "no-exchange"
+
+
+def exchange_spans(path, t0):
+    """The ``exchange`` spans of a gradfuse timeline file as (start, end) on the
+    ``perf_counter`` clock (``t0``: the sink's start)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    return sorted((t0 + e["ts"] / 1e6, t0 + (e["ts"] + e["dur"]) / 1e6) for e in events
+                  if e.get("ph") == "X" and str(e.get("name", "")).startswith("exchange"))
+
+
+def overlap(spans, lo, hi):
+    """Seconds of ``spans`` (sorted, possibly nested) inside ``[lo, hi]``, each instant once."""
+    total, end = 0.0, lo
+    for a, b in spans:
+        a, b = max(a, end), min(b, hi)
+        if b > a:
+            total += b - a
+            end = b
+    return total
 
 
 def run(compressors, rounds, out):
@@ -72,7 +95,7 @@ def run(compressors, rounds, out):
             trainer = gluon.Trainer(params, "sgd", dict(sgd), kvstore=None)
         else:
             trainer = hvd.DistributedTrainer(params, "sgd", dict(sgd), compress=None if name == "none" else name)
-        methods[name] = (net, trainer, params, {"fb": [], "ar": [], "upd": []})
+        methods[name] = (net, trainer, params, {"fb": [], "ar": [], "upd": [], "win": []})
 
     def make_step(name):
         net, trainer, _, times = methods[name]
@@ -94,6 +117,7 @@ def run(compressors, rounds, out):
             times["fb"].append(t1 - t0)
             times["ar"].append(t2 - t1)
             times["upd"].append(t3 - t2)
+            times["win"].append((t1, t2))
         return whole
 
     steps = {name: make_step(name) for name in methods}
@@ -104,7 +128,13 @@ def run(compressors, rounds, out):
             times[k].clear()
         pipe = getattr(trainer, "pipeline", None)
         sent0[name] = pipe.stats.bytes_sent if pipe is not None else 0
+    import tempfile
+    from ..runtime import timeline
+    trace = os.path.join(tempfile.mkdtemp(prefix="gradfuse-e2e-"), f"rank{rank}.json")
+    sink = timeline.start(trace, rank=rank)       # the exchange spans: the step's communication
     t = median_times(steps, rounds, sync=world.Barrier)
+    timeline.stop(sink)
+    exchange = exchange_spans(trace, sink.t0)
     for name, (net, trainer, params, times) in methods.items():
         pipe = getattr(trainer, "pipeline", None)
         sent = ((pipe.stats.bytes_sent - sent0[name]) / rounds) if pipe is not None else 0.0
@@ -113,6 +143,8 @@ def run(compressors, rounds, out):
         for k in ("fb", "ar", "upd"):
             row[k] = world.allreduce(float(np.median(times[k])), op=MPI.MAX)
         row["step"] = row["ar"] + row["upd"]
+        xs = [overlap(exchange, w0, w1) for w0, w1 in times["win"]]
+        row["xchg"] = world.allreduce(float(np.median(xs)) if xs else 0.0, op=MPI.MAX)
         result["rows"][name] = row
         if rank == 0:
             sys.stderr.write(f"  [{p} ranks] e2e {name}: {row['t'] * 1e3:.1f} ms per step (forward+backward "
@@ -132,7 +164,8 @@ def _ms(m, key):
 def report(results):
     """Markdown: per place, the step split into forward+backward, reduction and update,
     the speedup over fp32, and on a link Amdahl's bound from the method's own compute
-    (its local step) and communication (its bytes at the link rate)."""
+    (its step less its measured exchange spans, in the same run) and communication (its
+    bytes at the link rate)."""
     lines = []
     local = {r["p"]: r for r in results if r["place"] == "local"}
     for r in results:
@@ -147,9 +180,9 @@ def report(results):
                 "| MB sent/rank |")
         sep = "|---|---:|---:|---:|---:|---:|---:|"
         if link:
-            head += (" communication ms (sent / rate) | compute ms (local step) | allowed speedup (Amdahl) "
-                     "| measured / allowed |")
-            sep += "---:|---:|---:|---:|"
+            head += (" exchange ms (measured) | wire ms (sent / rate) | compute ms (step - exchange) "
+                     "| allowed speedup (Amdahl) | measured / allowed |")
+            sep += "---:|---:|---:|---:|---:|"
         lines += [head, sep]
         t32 = rows["none"]["t"] if "none" in rows else None
         for name, m in rows.items():
@@ -160,12 +193,16 @@ def report(results):
                    f"{(t32 / m['t'] if t32 else float('nan')):.2f}x | {sent / 1e6:.2f} |")
             if link:
                 wire = sent * 8 / link["bps"]
-                lt = local.get(p, {}).get("rows", {}).get(name, {}).get("t")
-                if lt and t32:
-                    allowed = t32 / (lt + wire)     # Amdahl: its own compute, plus its bytes at the link rate
-                    row += f" {wire * 1e3:.1f} | {lt * 1e3:.1f} | {allowed:.2f}x | {t32 / m['t'] / allowed:.2f} |"
+                if "xchg" in m:          # this run's own split: compute = the step less its exchange spans
+                    xchg, compute = f"{m['xchg'] * 1e3:.1f}", m["t"] - m["xchg"]
+                else:                    # an older file: the same method's local:P step as its compute
+                    xchg, compute = "-", local.get(p, {}).get("rows", {}).get(name, {}).get("t")
+                if compute and t32:
+                    allowed = t32 / (compute + wire)     # Amdahl: its own compute, plus its bytes at the link rate
+                    row += (f" {xchg} | {wire * 1e3:.1f} | {compute * 1e3:.1f} | {allowed:.2f}x | "
+                            f"{t32 / m['t'] / allowed:.2f} |")
                 else:
-                    row += f" {wire * 1e3:.1f} | - | - | - |"
+                    row += f" {xchg} | {wire * 1e3:.1f} | - | - | - |"
             lines.append(row)
     return "\n".join(lines)
 
