@@ -160,3 +160,31 @@ def test_kvstore_takes_momentum_and_refuses_a_trainer_with_momentum():
     kv = hvd.KVStore()
     kv.set_gradient_compression({"type": "1bit", "momentum": 0.9})
     assert kv.pipeline.compressor.momentum == 0.9
+
+
+def test_allreduce_grads_then_update_with_correction_needs_the_batch_size():
+    """Gluon's split step (allreduce_grads, then update) with the correction on: without a
+    batch size the exchange would fold a stale rescale_grad into the velocity (the first
+    step batch_size times too large), so it raises; with it, the split step equals step()."""
+    p = {"learning_rate": 0.05, "momentum": 0.9, "wd": 1e-3}
+    a, b = mlp(), mlp()
+    ta = hvd.DistributedTrainer(a.collect_params(), "sgd", dict(p), momentum_correction=True)
+    tb = hvd.DistributedTrainer(b.collect_params(), "sgd", dict(p), momentum_correction=True)
+    train(a, ta, 20)
+    for s in range(20):
+        rng = np.random.default_rng([s, 99])
+        x, y = mx.nd.array(rng.standard_normal((B, IN))), mx.nd.array(rng.integers(0, OUT, B))
+        with autograd.record():
+            loss = LOSS(b(x), y)
+        loss.backward()
+        if s == 0:
+            with pytest.raises(ValueError, match="batch size is needed"):
+                tb.allreduce_grads()
+        tb.allreduce_grads(B)
+        if s == 0:
+            with pytest.raises(ValueError, match="same batch size"):
+                tb.update(2 * B)        # refused before anything is applied; the step is pending
+        tb.update(B)
+    assert rel(flat(a), flat(b)) < 1e-6, rel(flat(a), flat(b))
+    plain = hvd.DistributedTrainer(mlp().collect_params(), "sgd", dict(p), momentum_correction=False)
+    assert plain._correction is None      # without the correction Gluon's split step is unchanged

@@ -430,6 +430,40 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._reducer.reduce_(grads, names, self._num_groups, self._compression,
                               self._gradient_predivide_factor, overlap=self._overlap)
 
+    def allreduce_grads(self, batch_size=None):
+        """Gluon's ``allreduce_grads()``, for code that changes the reduced gradients before
+        ``update(batch_size)`` (e.g. ``gluon.utils.clip_global_norm``).
+
+        With the momentum correction on, the exchange itself folds ``1 / batch_size``
+        (MXNet's ``rescale_grad``), ``wd`` and ``clip_gradient`` into each rank's velocity,
+        so it needs the batch size before it runs: pass ``batch_size`` here, and the same
+        to ``update``. Without the correction, ``batch_size`` is not needed (``update``
+        rescales, as in Gluon)."""
+        if self._correction is not None:
+            if batch_size is None:
+                raise ValueError(
+                    "DistributedTrainer.allreduce_grads(): the momentum correction is on, and it folds "
+                    "1/batch_size (rescale_grad), wd and clipping into the velocity during the exchange, so "
+                    "the batch size is needed now: call allreduce_grads(batch_size) and then "
+                    "update(batch_size) with the same value, or step(batch_size) (or build the trainer "
+                    "with momentum_correction=False)")
+            self._check_and_rescale_grad(self._scale / batch_size)
+            self._reduced_scale = self._optimizer.rescale_grad
+        super().allreduce_grads()
+
+    def update(self, batch_size, ignore_stale_grad=False):
+        """Gluon's ``update(batch_size)``; with the momentum correction on, ``batch_size``
+        must be the one given to ``allreduce_grads`` (the velocity already holds it)."""
+        reduced = getattr(self, "_reduced_scale", None)
+        if self._correction is not None and reduced is not None and self._scale / batch_size != reduced:
+            raise ValueError(
+                f"DistributedTrainer.update({batch_size}): allreduce_grads() folded rescale_grad "
+                f"{reduced!r} into the velocity, and batch_size {batch_size} asks for "
+                f"{self._scale / batch_size!r}: pass both calls the same batch size (the reduced "
+                f"step is still pending: update() with allreduce_grads()'s batch size applies it)")
+        self._reduced_scale = None
+        super().update(batch_size, ignore_stale_grad)
+
     def _update(self, ignore_stale_grad=False):
         if self._correction is None:
             return super()._update(ignore_stale_grad)
