@@ -10,6 +10,16 @@ import gradfuse._core as core
 SIZES = list(range(0, 140)) + [255, 256, 257, 1000, 8191, 8192, 8193, 16384, 16391, 100003, 1 << 20, 2359296]
 
 
+@pytest.fixture(autouse=True, params=[True, False], ids=["scalar", "simd"])
+def dpath(request):
+    """Every test on the scalar and on the AVX2 path (the same bits)."""
+    if not request.param and not core.simd_info()["cpu_avx2_f16c"]:
+        pytest.skip("no AVX2 on this CPU")
+    core.set_simd(force_scalar=request.param)
+    yield request.param
+    core.set_simd(force_scalar=False)
+
+
 def bits(x):
     return np.asarray(x, np.float32).view(np.uint32)
 
@@ -84,3 +94,12 @@ def test_table_errors_name_the_row():
     ptrs[1] = 0
     with pytest.raises(ValueError, match="row 1 has a null address"):
         core.table_first_bad_sum(ptrs, counts, 0, 2)
+
+
+def test_count_masked16_is_numpys_count():
+    rng = np.random.default_rng(2)
+    for n in (0, 1, 4095, 4096, 4097, 100003):
+        w = rng.integers(0, 1 << 16, size=n).astype(np.uint16)
+        for mask in (0x7C00, 0x7F80):
+            assert core.count_masked16(w, mask) == np.count_nonzero((w & mask) == mask)
+    assert core.count_masked16(np.full(70000, 0x7C00, np.uint16), 0x7C00) == 70000

@@ -9,6 +9,7 @@ cdef extern from "_finite.h" nogil:
     int64_t gf_fin_first_bad_sum(const int64_t* ptrs, const int64_t* counts, int64_t lo, int64_t hi)
     _fin_u32 gf_fin_absmax_bits(const int64_t* ptrs, const int64_t* counts, int64_t lo, int64_t hi)
     float gf_fin_sum(const float* a, int64_t n)
+    int64_t gf_fin_count_masked16(const uint16_t* w, int64_t n, uint16_t mask)
 
 
 cdef int _fin_check_table(str who, const int64_t[::1] ptrs, const int64_t[::1] counts,
@@ -63,3 +64,14 @@ def pairwise_sum_f32(const float[::1] x):
         with nogil:
             s = gf_fin_sum(&x[0], c)
     return <double> s
+
+
+def count_masked16(const uint16_t[::1] words, uint16_t mask):
+    """The number of 16-bit words w with ``(w & mask) == mask``: with fp16's 0x7C00 or
+    bf16's 0x7F80, the inf/NaN values of a summed payload (numpy's
+    ``count_nonzero((words & mask) == mask)``)."""
+    cdef int64_t n = words.shape[0], r = 0
+    if n > 0:
+        with nogil:
+            r = gf_fin_count_masked16(&words[0], n, mask)
+    return r
