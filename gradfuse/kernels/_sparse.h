@@ -571,10 +571,12 @@ static void gf_sp_randomk_draw(uint64_t seed, const int64_t* counts, const int64
             continue;
         if (k > 0) {
             uint64_t st = gf_sp_splitmix64_mix(seed + (t + 1) * GF_SP_GOLDEN);
+            uint64_t a = 0, b;           /* stratum m's start is stratum m - 1's end: one division each */
             for (m = 0; m < k; m++) {
-                uint64_t a = m * n / k, b = (m + 1) * n / k;
                 uint64_t h = gf_sp_splitmix64_mix(st + (m + 1) * GF_SP_GOLDEN) >> 32;
+                b = (m + 1) * n / k;
                 out[m] = (uint32_t) ((uint64_t) pos + a + ((h * (b - a)) >> 32));
+                a = b;
             }
             out += k;
         }
