@@ -404,7 +404,7 @@ def test_decompress_sum_order_and_zero(dpath):
 
 
 @pytest.mark.parametrize("cuts", TABLE_CUTS + [[0, 0, 1009]])
-@pytest.mark.parametrize("divisor", [1.0, 3.0])
+@pytest.mark.parametrize("divisor", [1.0, 3.0, -2.0, 0.1, 0.0])
 def test_decompress_table(dpath, cuts, divisor):
     n = 1009
     for p in (1, 3):
@@ -415,6 +415,8 @@ def test_decompress_table(dpath, cuts, divisor):
                 core.sparse_decompress_sum(vals, idx, ptrs, offsets, counts, 0, len(ptrs), divisor)
                 got = np.concatenate(parts)
                 assert_same(got, ref.decompress_sum(vals, idx, n, divisor))
+                # rows with the same ascending positions (random-k) take the one-write path
+                # (the untouched elements get 0.0f / divisor: -0 for -2, NaN for 0)
 
 
 def test_decompress_table_unsorted_indices(dpath):

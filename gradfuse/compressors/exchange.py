@@ -254,8 +254,7 @@ class AllreduceJob(BucketJob):
         self.comm.allreduce16(buf, self.comp.fmt, native=self.native)
         p = self.comm.size
         self.stats.bytes_sent += ring_bytes(2 * self.n, p)
-        mask = self.comp.nonfinite_mask()
-        bad = int(bk.xp.count_nonzero((buf & mask) == mask))
+        bad = self.comp.count_nonfinite(buf, bk)
         if bad:
             self.nonfinite_ranks = ["?"]
             self.nonfinite_detail = (f"the {self.comp.name} sum holds {bad} inf/NaN value(s): an input was "

@@ -67,6 +67,14 @@ class Cast16(Compressor):
         """Exponent bits that are all ones for inf/NaN in this format."""
         return 0x7C00 if self.fmt == 1 else 0x7F80
 
+    def count_nonfinite(self, buf, bk):
+        """The number of inf/NaN words in a 16-bit payload ``buf`` of backend ``bk`` (host:
+        one kernel pass, no temporaries; device: the array module's)."""
+        mask = self.nonfinite_mask()
+        if bk.device == "cpu":
+            return int(_core.count_masked16(buf.reshape(-1), mask))
+        return int(bk.xp.count_nonzero((buf & mask) == mask))
+
 
 class FP16(Cast16):
     """IEEE half precision on the wire (halves the bytes of float32)."""

@@ -4,10 +4,9 @@ Each algorithm lives in its own module (``exchange``: allgather and the 16-bit a
 ``twophase``: the two-phase compressed allreduce; ``sparse_allreduce``: random-k's values
 summed at the shared positions); a new collective adds its class to ``JOBS``.
 """
-import ctypes
-
 import numpy as np
 
+from .. import _core
 from . import cost
 from .exchange import AllgatherJob, AllreduceJob, BucketTask, ring_bytes  # noqa: F401  (the step's one import)
 from .sparse_allreduce import SparseAllreduceJob
@@ -30,20 +29,16 @@ def pays(comp, algorithm, n, p, link, counts):
 
 def inputs_finite(jobs, comm):
     """Whether every rank's compressed inputs are finite (single-buffered residuals are then
-    updated in place). One float32 sum per tensor (a finite sum has finite terms; an
-    overflowing one only costs this step its in-place update) and one allreduce of a flag."""
+    updated in place). One float32 sum per tensor (numpy's pairwise
+    ``np.add.reduce(x, dtype=np.float32)``, bit for bit, by the ``table_first_bad_sum``
+    kernel: one call per bucket; a finite sum has finite terms; an overflowing one only
+    costs this step its in-place update) and one allreduce of a flag."""
     bad = 0
-    with np.errstate(over="ignore", invalid="ignore"):
-        for job in jobs.values():
-            ptrs, _, cnt, lo, hi = job.src
-            for r in range(lo, hi):
-                m = int(cnt[r])
-                if m and not np.isfinite(np.add.reduce(np.ctypeslib.as_array((ctypes.c_float * m).from_address(
-                        int(ptrs[r]))), dtype=np.float32)):
-                    bad = 1
-                    break
-            if bad:
-                break
+    for job in jobs.values():
+        ptrs, _, cnt, lo, hi = job.src
+        if _core.table_first_bad_sum(ptrs, cnt, lo, hi) >= 0:
+            bad = 1
+            break
     flags = np.array([bad], np.int64)
     comm.allreduce_inplace(flags)
     return not flags[0]
@@ -65,17 +60,11 @@ def halves_cannot_fail(jobs, comm):
                            for j in jobs.values()):
         return False
     m = 0.0
-    with np.errstate(invalid="ignore"):
-        for job in jobs.values():
-            ptrs, _, cnt, lo, hi = job.src
-            for r in range(lo, hi):
-                k = int(cnt[r])
-                if k:
-                    x = np.ctypeslib.as_array((ctypes.c_float * k).from_address(int(ptrs[r])))
-                    hi_, lo_ = float(x.max()), float(x.min())
-                    m = max(m, hi_, -lo_) if np.isfinite(hi_) and np.isfinite(lo_) else float("inf")
-            if m == float("inf"):
-                break
+    for job in jobs.values():          # max |x|, inf once any value is not finite (one call per bucket)
+        ptrs, _, cnt, lo, hi = job.src
+        m = max(m, _core.table_absmax(ptrs, cnt, lo, hi))
+        if m == float("inf"):
+            break
     flags = np.array([m], np.float64)
     out = np.empty_like(flags)
     comm.allreduce_op(flags, out, "max")

@@ -571,10 +571,12 @@ static void gf_sp_randomk_draw(uint64_t seed, const int64_t* counts, const int64
             continue;
         if (k > 0) {
             uint64_t st = gf_sp_splitmix64_mix(seed + (t + 1) * GF_SP_GOLDEN);
+            uint64_t a = 0, b;           /* stratum m's start is stratum m - 1's end: one division each */
             for (m = 0; m < k; m++) {
-                uint64_t a = m * n / k, b = (m + 1) * n / k;
                 uint64_t h = gf_sp_splitmix64_mix(st + (m + 1) * GF_SP_GOLDEN) >> 32;
+                b = (m + 1) * n / k;
                 out[m] = (uint32_t) ((uint64_t) pos + a + ((h * (b - a)) >> 32));
+                a = b;
             }
             out += k;
         }
@@ -632,6 +634,21 @@ static int64_t gf_sp_gather_table(const int64_t* src, const int64_t* offsets, co
 /* ------------------------------------------------------------------------------ */
 /* decompress-and-accumulate                                                        */
 
+/* Whether the non-empty rows lo..hi-1 have ascending, disjoint ranges (a fusion plan's
+ * tables do). */
+static int gf_sp_tables_ascending(const int64_t* offsets, const int64_t* counts, int64_t lo, int64_t hi)
+{
+    int64_t t, end = 0;
+    for (t = lo; t < hi; t++) {
+        if (counts[t] <= 0)
+            continue;
+        if (offsets[t] < end)
+            return 0;
+        end = offsets[t] + counts[t];
+    }
+    return 1;
+}
+
 /* Find the table row lo..hi-1 whose [offset, offset+count) holds j (count > 0). */
 static inline int64_t gf_sp_find_row(const int64_t* offsets, const int64_t* counts,
                                      int64_t lo, int64_t hi, int64_t j)
@@ -647,12 +664,70 @@ static inline int64_t gf_sp_find_row(const int64_t* offsets, const int64_t* coun
     return a;
 }
 
+/* Whether every row of indices equals row 0 and row 0 is strictly ascending (random-k:
+ * every rank drew the same positions; the sparse allreduce's single row). */
+static int gf_sp_shared_ascending(const uint32_t* indices, int64_t p, int64_t k)
+{
+    int64_t r, m;
+    for (m = 1; m < k; m++)
+        if (indices[m] <= indices[m - 1])
+            return 0;
+    for (r = 1; r < p; r++)
+        if (memcmp(indices, indices + r * k, (size_t) k * sizeof(uint32_t)) != 0)
+            return 0;
+    return 1;
+}
+
+/*
+ * The same sums when every row holds the same strictly ascending positions: position
+ * indices[m] gets ((0.0f + values[0][m]) + values[1][m]) + ... / fdiv, every other
+ * element 0.0f / fdiv (0.0f when divisor == 1), which is what the general path's
+ * clear, adds and divide pass give there, bit for bit; one write of the tensors instead
+ * of a clear and a read-modify-write of them all.
+ */
+static void gf_sp_decompress_shared(const float* values, const uint32_t* indices, int64_t p, int64_t k,
+                                    const int64_t* dst, const int64_t* offsets, const int64_t* counts,
+                                    int64_t lo, int64_t hi, double divisor)
+{
+    int64_t t, i, r, m = 0;
+    int div = divisor != 1.0;
+    float fdiv = (float) divisor;
+    float z = div ? 0.0f / fdiv : 0.0f;
+    uint32_t zb;
+    memcpy(&zb, &z, 4);
+    for (t = lo; t < hi; t++) {
+        float* d = (float*) (uintptr_t) dst[t];
+        int64_t off = offsets[t], cnt = counts[t];
+        if (cnt <= 0)
+            continue;
+        if (zb == 0)
+            memset(d, 0, (size_t) cnt * sizeof(float));
+        else
+            for (i = 0; i < cnt; i++)
+                d[i] = z;
+        /* the indices are ascending and the rows' ranges ascending and disjoint */
+        while (m < k && (int64_t) indices[m] < off)
+            m++;
+        for (; m < k && (int64_t) indices[m] < off + cnt; m++) {
+            float acc = 0.0f;
+            for (r = 0; r < p; r++)
+                acc += values[r * k + m];
+            d[indices[m] - off] = div ? acc / fdiv : acc;
+        }
+    }
+}
+
 static void gf_sp_decompress_table(const float* values, const uint32_t* indices, int64_t p, int64_t k,
                                    const int64_t* dst, const int64_t* offsets, const int64_t* counts,
                                    int64_t lo, int64_t hi, double divisor)
 {
     int64_t t, i, r, m, row;
     float fdiv = (float) divisor;
+    if (p > 0 && k > 0 && gf_sp_tables_ascending(offsets, counts, lo, hi)
+            && gf_sp_shared_ascending(indices, p, k)) {
+        gf_sp_decompress_shared(values, indices, p, k, dst, offsets, counts, lo, hi, divisor);
+        return;
+    }
     for (t = lo; t < hi; t++)
         if (counts[t] > 0)
             memset((void*) (uintptr_t) dst[t], 0, (size_t) counts[t] * sizeof(float));

@@ -1,0 +1,80 @@
+"""The per-step kernels of random-k and fp16 on ResNet-50's gradients, one process, in
+ms (min of --rounds): what a step's local compute is made of, without MPI.
+
+    python scripts/step_kernels_time.py --rounds 7
+Rows: the finiteness verdicts (``inputs_finite``'s sums, ``halves_cannot_fail``'s
+max |x|, and the former per-tensor numpy loop for comparison), random-k's draw, compress
+(c = g + e, gather, residual in place) and decode (p = 2 rows, averaged; and the same on
+the general path, taken when the rows' positions differ, as the former decode did for
+all), fp16's fused pack + cast, inf/NaN count of the summed payload (C, and the former
+numpy expression) and unpack + divide; and one float32 copy of the gradients (read +
+write) as the machine's memory reference.
+"""
+import argparse
+import ctypes
+import json
+import os
+import time
+
+import numpy as np
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=7)
+    a = ap.parse_args()
+    from gradfuse import _core
+    from gradfuse.bench.sets import resnet50_shapes
+    from gradfuse.compressors.topk import ks_for
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal(s).astype(np.float32).reshape(-1) for s in resnet50_shapes()]
+    ptrs = np.array([x.ctypes.data for x in xs], np.int64)
+    cnt = np.array([x.size for x in xs], np.int64)
+    off = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64)
+    n, rows = int(cnt.sum()), len(xs)
+    ks = ks_for(0.01, cnt).astype(np.int64)
+    k = int(ks.sum())
+    e = np.zeros(n, np.float32)
+    vals, idx = np.empty(k, np.float32), np.empty(k, np.uint32)
+    copy = np.empty(n, np.float32)
+    buf = np.empty(n, np.uint16)
+
+    def numpy_sums():
+        for r in range(rows):
+            m = int(cnt[r])
+            np.isfinite(np.add.reduce(np.ctypeslib.as_array((ctypes.c_float * m).from_address(int(ptrs[r]))),
+                                      dtype=np.float32))
+
+    _core.randomk_compress(ptrs, off, cnt, 0, rows, e, e, 7, ks, vals, idx)
+    v2, i2 = np.ascontiguousarray(np.stack([vals, vals])), np.ascontiguousarray(np.stack([idx, idx]))
+    i2g = i2.copy()
+    i2g[1, -1] = 0           # rows that differ: the general path (clear, adds, a divide pass over all n)
+    cases = {
+        "finite: sums (C)": lambda: _core.table_first_bad_sum(ptrs, cnt, 0, rows),
+        "finite: sums (numpy per tensor)": numpy_sums,
+        "finite: max|x| (C)": lambda: _core.table_absmax(ptrs, cnt, 0, rows),
+        "randomk: draw": lambda: _core.randomk_indices(7, cnt, ks, idx),
+        "randomk: compress": lambda: _core.randomk_compress(ptrs, off, cnt, 0, rows, e, e, 7, ks, vals, idx),
+        "randomk: decode p=2 /2": lambda: _core.sparse_decompress_sum(v2, i2, ptrs, off, cnt, 0, rows, 2.0),
+        "randomk: decode p=2 /2, general path": lambda: _core.sparse_decompress_sum(v2, i2g, ptrs, off, cnt, 0,
+                                                                                   rows, 2.0),
+        "fp16: pack+cast": lambda: _core.pack_cast(1, buf, ptrs, off, cnt, 0, rows, 1.0),
+        "fp16: inf/NaN count (C)": lambda: _core.count_masked16(buf, 0x7C00),
+        "fp16: inf/NaN count (numpy)": lambda: np.count_nonzero((buf & 0x7C00) == 0x7C00),
+        "fp16: unpack /2": lambda: _core.unpack_cast(1, buf, ptrs, off, cnt, 0, rows, 2.0),
+        "float32 copy (memory reference)": lambda: np.copyto(copy, e),
+    }
+    out = {"n": n, "k": k, "load": os.getloadavg()[0]}
+    for name, f in cases.items():
+        ts = []
+        for _ in range(a.rounds):
+            t0 = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t0)
+        out[name] = round(1e3 * min(ts), 2)
+    out["load_end"] = os.getloadavg()[0]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
