@@ -120,7 +120,8 @@ class Pipeline:
             ``GRADFUSE_PIPELINE_BUCKETS`` (0 or 1), else on (measured in
             docs/benchmarks.md, "Pipelined buckets"). It needs MPI at
             ``THREAD_MULTIPLE`` (mpi4py's default) and a host step on two or more ranks;
-            elsewhere the buckets run serially. Ranks need not agree on it.
+            elsewhere, and in steps whose compressed buckets are all fp16/bf16, the
+            buckets run serially. Ranks need not agree on it.
 
     Example:
         >>> pipe = gradfuse.Pipeline()

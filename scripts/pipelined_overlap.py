@@ -5,13 +5,15 @@
     python scripts/pipelined_overlap.py --place local --hosts 2              # shared memory, no root
 
 Per compressor (ResNet-50's gradients, ``--fusion-threshold``, every other option at its
-default): the step time with ``pipeline_buckets=False`` and ``True``, alternated A B B A
-round by round in the same run; the step's compute time (the communication thread's
-pack, compress, decompress and unpack spans of gradfuse's timeline, summed, in serial
-steps of their own); the bytes that left and entered this host's ``eth0`` per step
-(``/sys/class/net/eth0/statistics``; the tbf queues shape both), so wire = max(sent,
-received) / link rate; and the ratio pipelined / max(compute, wire), issue 16's target
-<= 1.2. The tc counters of the whole run are printed as a check that the traffic crossed
+default): the step time with ``pipeline_buckets=False`` and ``True`` (and with
+``--blocking``, pipelined with blocking waits on the exchange thread), alternated A B C,
+C B A round by round in the same run; the compute time: the same step alone on one rank
+(``COMM_SELF``: no network, one payload to decode) and, for reference, the kernels alone
+(the communication thread's pack, compress, decompress and unpack spans of gradfuse's
+timeline in serial steps of their own); the bytes that left and entered this host's
+``eth0`` per step (``/sys/class/net/eth0/statistics``; the tbf queues shape both), so
+wire = max(sent, received) / link rate; and the ratio pipelined / max(compute, wire),
+issue 16's target <= 1.2. The tc counters of the whole run are printed as a check that the traffic crossed
 the shaped links.
 """
 import argparse
@@ -35,13 +37,14 @@ def _net(name):
         return 0
 
 
-def worker(out, methods, rounds, threshold):
+def worker(out, methods, rounds, threshold, blocking=False):
     import numpy as np
     from mpi4py import MPI
 
     import gradfuse
     from gradfuse.bench.sets import make_set, resnet50_shapes
-    from gradfuse.runtime import timeline
+    from gradfuse.runtime import overlap, timeline
+    polling = overlap.PollingComm
 
     gradfuse.init()
     world = MPI.COMM_WORLD
@@ -66,12 +69,16 @@ def worker(out, methods, rounds, threshold):
 
         for flag in (False, True, False, True):
             step(flag)                                   # warm-up: plans, buffers
-        times = {False: [], True: []}
+        times = {False: [], True: [], "blocking": []}
         wire = []
+        variants = [False, True, "blocking"] if blocking else [False, True]
         for r in range(rounds):
-            for flag in ((False, True) if r % 2 == 0 else (True, False)):
-                t, tx, rx = step(flag)
-                times[flag].append(t)
+            for v in (variants if r % 2 == 0 else variants[::-1]):
+                if v == "blocking":        # the design measured against: blocking waits on the thread
+                    overlap.PollingComm = lambda comm: comm
+                t, tx, rx = step(v is not False)
+                overlap.PollingComm = polling
+                times[v].append(t)
                 wire.append(max(tx, rx))
         # compute: the serial step's kernel stages, from the timeline (steps of their own)
         path = os.path.join(tmp, f"{method}.rank{me}.json")
@@ -104,6 +111,7 @@ def worker(out, methods, rounds, threshold):
         st = pipes[True].stats
         plan = next(iter(pipes[True]._plans.values())).plan
         results[method] = {"serial": statistics.median(times[False]), "pipelined": statistics.median(times[True]),
+                           "blocking": statistics.median(times["blocking"]) if times["blocking"] else None,
                            "serial_all": times[False], "pipelined_all": times[True],
                            "wire_bytes": statistics.median(wire), "compute": compute,
                            "stages": per_stage, "solo": statistics.median(solo_t),
@@ -112,6 +120,7 @@ def worker(out, methods, rounds, threshold):
         if me == 0:
             r = results[method]
             sys.stderr.write(f"  {method}: serial {r['serial'] * 1e3:.1f} ms, pipelined {r['pipelined'] * 1e3:.1f} ms, "
+                             + (f"blocking waits {r['blocking'] * 1e3:.1f} ms, " if blocking else "") +
                              f"compute {compute * 1e3:.1f} ms, alone {r['solo'] * 1e3:.1f} ms, "
                              f"wire {r['wire_bytes'] / 1e6:.2f} MB/step; serial stages (ms): "
                              + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(per_stage.items())) + "\n")
@@ -133,10 +142,12 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--fusion-threshold", type=int, default=None, help="bytes (default: gradfuse's)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--blocking", action="store_true",
+                    help="also time the pipelined step with blocking waits on the exchange thread")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        return worker(a.worker, a.methods.split(","), a.rounds, a.fusion_threshold)
+        return worker(a.worker, a.methods.split(","), a.rounds, a.fusion_threshold, a.blocking)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory(prefix="gf-pipe-") as tmp:
@@ -145,6 +156,8 @@ def main(argv=None):
                   "--rounds", str(a.rounds)]
         if a.fusion_threshold is not None:
             argv_w += ["--fusion-threshold", str(a.fusion_threshold)]
+        if a.blocking:
+            argv_w.append("--blocking")
         load0 = os.getloadavg()
         if a.place == "local":
             rc = subprocess.run([mpiexec, "-n", str(a.hosts)] + argv_w, env=env).returncode
@@ -167,22 +180,26 @@ def main(argv=None):
     if tc:
         print("# tc bytes this run (sent by host, received by host): "
               + ", ".join(f"{h}: {s / 1e6:.1f} / {r / 1e6:.1f} MB" for h, (s, r) in tc.items()))
-    print("| compressor | buckets | compute | wire MB/step | wire time | bound | serial | pipelined | "
-          "pipelined / bound | serial / pipelined |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    blk = " pipelined, blocking waits |" if a.blocking else ""
+    print("| compressor | buckets | kernels | compute (1 rank) | wire MB/step | wire time | bound | serial |" + blk +
+          " pipelined | pipelined / bound | serial / pipelined |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if a.blocking else "") + "---:|---:|---:|")
     rows = {}
     for m in a.methods.split(","):
         per = [r[m] for r in res["ranks"]]
-        compute = max(r["compute"] for r in per)
+        kernels = max(r["compute"] for r in per)
+        compute = max(r["solo"] for r in per)         # the step alone on one rank: no network
         wb = max(r["wire_bytes"] for r in per)
         wire = wb * 8 / bps if bps else 0.0
         serial = max(r["serial"] for r in per)
         piped = max(r["pipelined"] for r in per)
         bound = max(compute, wire)
-        rows[m] = dict(compute=compute, wire_bytes=wb, wire=wire, bound=bound, serial=serial, pipelined=piped,
+        rows[m] = dict(kernels=kernels, compute=compute, wire_bytes=wb, wire=wire, bound=bound, serial=serial, pipelined=piped,
                        buckets=per[0]["buckets"], runs=per[0]["pipelined_runs"])
-        print(f"| {m} | {per[0]['buckets']} | {compute * 1e3:.1f} ms | {wb / 1e6:.2f} | {wire * 1e3:.1f} ms | "
-              f"{bound * 1e3:.1f} ms | {serial * 1e3:.1f} ms | {piped * 1e3:.1f} ms | {piped / bound:.2f} | "
+        bcol = f" {max(r['blocking'] for r in per) * 1e3:.1f} ms |" if a.blocking else ""
+        rows[m]["blocking"] = max(r["blocking"] for r in per) if a.blocking else None
+        print(f"| {m} | {per[0]['buckets']} | {kernels * 1e3:.1f} ms | {compute * 1e3:.1f} ms | {wb / 1e6:.2f} | {wire * 1e3:.1f} ms | "
+              f"{bound * 1e3:.1f} ms | {serial * 1e3:.1f} ms |{bcol} {piped * 1e3:.1f} ms | {piped / bound:.2f} | "
               f"{serial / piped:.2f} |")
     if a.json:
         with open(a.json, "w") as f:

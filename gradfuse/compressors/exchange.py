@@ -109,7 +109,6 @@ class BucketJob:
         self.nonfinite_detail = ""
         self.velocity = None          # (x, u) once apply_velocity ran: what the compressor read, u
         self.stream = False           # decoded right after its exchange, in shared buffers (the step cannot fail)
-        self.slot = 0                 # which of those shared buffers (pipelined buckets take two by turns)
 
     def apply_velocity(self, velocity):
         """DGC's momentum correction (``gradfuse.compressors.momentum``): update this rank's
@@ -222,11 +221,10 @@ class AllreduceJob(BucketJob):
 
     def compress(self):
         bk = self.bk
-        if self.stream:            # one bucket at a time: the plan's shared buffer (pipelined: two)
-            key = "u16" if not self.slot else f"u16-{self.slot}"
-            buf = self.scratch.get(key)
+        if self.stream:            # one bucket at a time: the plan's shared buffer
+            buf = self.scratch.get("u16")
             if buf is None or buf.size < self.n:
-                buf = self.scratch[key] = bk.empty_bytes(2 * max(self.n, 1)).view(np.uint16)
+                buf = self.scratch["u16"] = bk.empty_bytes(2 * max(self.n, 1)).view(np.uint16)
             buf = buf[:self.n]
         elif bk.device == "cpu":   # held until the step's verdict: this step's only (host)
             buf = bk.empty_bytes(2 * self.n).view(np.uint16)

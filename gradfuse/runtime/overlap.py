@@ -3,20 +3,25 @@
 ``Pipeline(pipeline_buckets=True)`` (the default, ``GRADFUSE_PIPELINE_BUCKETS``) gives the
 pipeline a second thread, its *exchange thread*. In a step, the communication thread
 compresses the compressed buckets one after the other and hands each to the exchange
-thread, which runs the bucket's collective (and, for fp16/bf16 buckets decoded at once,
-its decode) while the communication thread compresses the next bucket. The step goes on
-(plain buckets, the non-finite verdict, the decode of the others) only once the exchange
-thread has run every bucket it was given, so the communicator is used by one thread at a
-time, and the collectives run in bucket order on every rank: the same calls, on the same
-bytes, in the same order as without the thread, hence bit-identical results.
+thread, which runs the bucket's collective while the communication thread compresses the
+next bucket. The step goes on (plain buckets, the non-finite verdict, the decodes) only
+once the exchange thread has run every bucket it was given, so the communicator is used
+by one thread at a time, and the collectives run in bucket order on every rank: the same
+collectives on the same bytes, in the same order as without the thread, so the results
+are bit-identical.
 
-Why a thread and not non-blocking collectives: MPICH makes progress on a non-blocking
-collective only inside MPI calls, so one issued before a compression kernel would mostly
-wait until the kernel returned. A blocking collective on a thread of its own makes its
-own progress; the Cython kernels and mpi4py's MPI calls release the GIL, so both threads
-run at once. This needs ``MPI.Query_thread() == MPI.THREAD_MULTIPLE`` (mpi4py's default);
-under a lower thread level, on one rank, on a GPU (the stages run on the backend's
-stream) or on a communicator other than MPI's, the step runs serially (``enabled``).
+Why a thread: MPICH makes progress on a non-blocking collective only inside MPI calls, so
+one posted before a compression kernel would mostly wait until the kernel returned. On
+the exchange thread, the collective's request is tested every ``POLL_S`` (``PollingComm``):
+it progresses at every test, and between tests the thread sleeps, so the core is free for
+the compression (a blocking call, or ``Wait``, spins in MPI's progress loop: with two
+ranks on two cores that took the core from the compression, measured in
+docs/benchmarks.md). The kernels and mpi4py release the GIL. This needs
+``MPI.Query_thread() == MPI.THREAD_MULTIPLE`` (mpi4py's default); under a lower thread
+level, on one rank, on a GPU (the stages run on the backend's stream) or on a
+communicator other than MPI's, the step runs serially (``enabled``); so does a step of
+fp16/bf16 buckets alone (their 16-bit allreduce is a blocking call: measured slower
+pipelined).
 
 Errors: the first error of an exchange (a raise in the job, a failed collective) stops
 the exchange thread's part of the step: the buckets queued after it are dropped, not
@@ -28,7 +33,10 @@ a bucket's buffers or the outputs after the error reached the caller.
 """
 import queue
 import threading
+import time
 import weakref
+
+import numpy as np
 
 _thread_multiple = {}      # id(communicator) -> whether its MPI library runs THREAD_MULTIPLE
 
@@ -45,27 +53,70 @@ def enabled(comm, device):
     return ok
 
 
+#: the algorithms whose collectives (allgather, alltoall) the exchange thread runs as
+#: non-blocking calls it polls; a step with none of them (fp16/bf16 alone: the 16-bit
+#: allreduce, a blocking call that spins) runs serially: measured slower pipelined
+POLLED = frozenset({"allgather", "twophase", "sparse_allreduce"})
+POLL_S = 50e-6       # the exchange thread's sleep between two tests of its request (measured)
+
+
 def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
     """Compress and exchange the step's compressed ``jobs`` (a list, in bucket order), and
     decode each at once when ``stream`` (fp16/bf16 buckets that cannot fail): pipelined on
-    ``ov`` (an ``Overlap``, or None for serial) where ``enabled``, else one after the other.
-    Pipelined streamed jobs take two shared 16-bit buffers by turns (``job.slot``)."""
-    second = exchange
-    if stream:
-        def second(job):
-            exchange(job)
-            decode(job)
+    ``ov`` (an ``Overlap``, or None for serial) where ``enabled`` and some job's algorithm is
+    in ``POLLED`` (streamed steps never are), else one after the other."""
     for job in jobs:
         job.stream = stream
-    if ov is None or len(jobs) < 2 or not enabled(comm, device):
+    if (ov is None or stream or len(jobs) < 2 or not any(j.algorithm in POLLED for j in jobs)
+            or not enabled(comm, device)):
         for job in jobs:
             compress(job)
-            second(job)
+            exchange(job)
+            if stream:
+                decode(job)
         return
-    if stream:
-        for i, job in enumerate(jobs):
-            job.slot = i % 2
-    ov.run(jobs, compress, second, ahead=1 if stream else None)
+    polling = PollingComm(comm)
+    for job in jobs:
+        job.comm = polling
+    ov.run(jobs, compress, exchange)
+
+
+class PollingComm:
+    """``comm`` for the exchange thread: ``allgather`` and ``alltoall`` as MPI's
+    non-blocking calls, waited for by testing the request every ``POLL_S`` seconds, so
+    that the thread sleeps instead of spinning in MPI's progress loop and leaves the core
+    to the next bucket's compression (with 2 ranks per 2 cores, a spinning wait took it:
+    docs/benchmarks.md, "Pipelined buckets"). The same bytes move, so the results are the
+    blocking calls' bits. Everything else goes to ``comm`` itself."""
+
+    def __init__(self, comm, poll_s=POLL_S):
+        self._comm, self._poll = comm, poll_s
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def _wait(self, req):
+        while not req.Test():
+            time.sleep(self._poll)
+
+    @staticmethod
+    def _bytes(arr):
+        return arr.reshape(-1).view(np.uint8)       # the jobs' wire buffers are contiguous
+
+    def allgather(self, src, dst):
+        """``comm.allgather``, polled."""
+        self._wait(self._comm.data.Iallgather([self._bytes(src), _byte()], [self._bytes(dst), _byte()]))
+        return dst
+
+    def alltoall(self, src, dst):
+        """``comm.alltoall``, polled."""
+        self._wait(self._comm.data.Ialltoall([self._bytes(src), _byte()], [self._bytes(dst), _byte()]))
+        return dst
+
+
+def _byte():
+    from ..comm.mpi import mpi
+    return mpi().BYTE
 
 
 class _Batch:
@@ -87,10 +138,9 @@ class _Batch:
 class Overlap:
     """One pipeline's exchange thread (started at its first pipelined step, a daemon).
 
-    ``run(jobs, first, second, ahead)`` runs ``first(job)`` on the calling thread and then
-    ``second(job)`` on the exchange thread, for each job in order; ``first`` of job i runs
-    only once ``second`` of job ``i - ahead - 1`` has returned (``ahead=None``: no limit;
-    1 for jobs that share two buffers by turns). Returns when every ``second`` has run;
+    ``run(jobs, first, second)`` runs ``first(job)`` on the calling thread and then
+    ``second(job)`` on the exchange thread, for each job in order (the calling thread
+    runs ahead: each job's buffers are its own). Returns when every ``second`` has run;
     raises the first error (the calling thread's own first).
     """
 
@@ -131,16 +181,14 @@ class Overlap:
                 batch.cond.notify_all()
             del batch, fn, job, error
 
-    def run(self, jobs, first, second, ahead=None):
+    def run(self, jobs, first, second):
         """See the class docstring."""
         if self._thread is None:
             self._start()
         batch, sent, mine = _Batch(), 0, None
         self.runs += 1
         try:
-            for i, job in enumerate(jobs):
-                if ahead is not None and i > ahead:
-                    batch.wait_done(i - ahead)
+            for job in jobs:
                 if batch.error is not None:
                     break
                 first(job)
