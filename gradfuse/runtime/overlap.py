@@ -38,19 +38,18 @@ import weakref
 
 import numpy as np
 
-_thread_multiple = {}      # id(communicator) -> whether its MPI library runs THREAD_MULTIPLE
+_thread_multiple = []      # [whether the process's MPI runs THREAD_MULTIPLE], once asked
 
 
 def enabled(comm, device):
     """Whether a step on ``comm`` (``device``: the backend's) may run its buckets pipelined."""
     if device != "cpu" or comm.size < 2 or getattr(comm, "kind", None) != "mpi":
         return False
-    ok = _thread_multiple.get(id(comm))
-    if ok is None:
+    if not _thread_multiple:
         from ..comm.mpi import mpi
         MPI = mpi()
-        ok = _thread_multiple[id(comm)] = MPI.Query_thread() == MPI.THREAD_MULTIPLE
-    return ok
+        _thread_multiple.append(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+    return _thread_multiple[0]
 
 
 #: the algorithms whose collectives (allgather, alltoall) the exchange thread runs as

@@ -201,3 +201,13 @@ def test_timeline_tracks_nest_with_the_exchange_thread(world):
     assert exchange == buckets
     assert len([k for k in by_stage if k.startswith("exchange")]) == 2
     assert len(by_stage["unpack"]) == 1 and len(by_stage["compress"]) == len(buckets) - 1
+
+
+def test_serial_below_thread_multiple(world, monkeypatch):
+    from gradfuse.runtime import overlap
+    monkeypatch.setattr(overlap, "_thread_multiple", [False])      # as under MPI_THREAD_SERIALIZED
+    rank = world.Get_rank()
+    a, b = pair("1bit", {})
+    for step in range(2):
+        assert same(a.allreduce(grads_for(rank, step)), b.allreduce(grads_for(rank, step)))
+    assert a._cfg.overlap.runs == 0
