@@ -38,7 +38,6 @@ def _net(name):
 
 
 def worker(out, methods, rounds, threshold, blocking=False):
-    import numpy as np
     from mpi4py import MPI
 
     import gradfuse
@@ -194,11 +193,12 @@ def main(argv=None):
         serial = max(r["serial"] for r in per)
         piped = max(r["pipelined"] for r in per)
         bound = max(compute, wire)
-        rows[m] = dict(kernels=kernels, compute=compute, wire_bytes=wb, wire=wire, bound=bound, serial=serial, pipelined=piped,
-                       buckets=per[0]["buckets"], runs=per[0]["pipelined_runs"])
+        rows[m] = dict(kernels=kernels, compute=compute, wire_bytes=wb, wire=wire, bound=bound, serial=serial,
+                       pipelined=piped, buckets=per[0]["buckets"], runs=per[0]["pipelined_runs"])
         bcol = f" {max(r['blocking'] for r in per) * 1e3:.1f} ms |" if a.blocking else ""
         rows[m]["blocking"] = max(r["blocking"] for r in per) if a.blocking else None
-        print(f"| {m} | {per[0]['buckets']} | {kernels * 1e3:.1f} ms | {compute * 1e3:.1f} ms | {wb / 1e6:.2f} | {wire * 1e3:.1f} ms | "
+        print(f"| {m} | {per[0]['buckets']} | {kernels * 1e3:.1f} ms | {compute * 1e3:.1f} ms | {wb / 1e6:.2f} | "
+              f"{wire * 1e3:.1f} ms | "
               f"{bound * 1e3:.1f} ms | {serial * 1e3:.1f} ms |{bcol} {piped * 1e3:.1f} ms | {piped / bound:.2f} | "
               f"{serial / piped:.2f} |")
     if a.json:

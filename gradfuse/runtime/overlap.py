@@ -100,7 +100,9 @@ class PollingComm:
 
     @staticmethod
     def _bytes(arr):
-        return arr.reshape(-1).view(np.uint8)       # the jobs' wire buffers are contiguous
+        if not arr.flags.c_contiguous:      # a copy would receive the bytes instead of arr
+            raise ValueError(f"PollingComm: a wire buffer of shape {arr.shape} is not contiguous")
+        return arr.reshape(-1).view(np.uint8)
 
     def allgather(self, src, dst):
         """``comm.allgather``, polled."""
