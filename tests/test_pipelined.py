@@ -104,3 +104,21 @@ def test_option_and_variable(monkeypatch):
     assert "pipeline_buckets" not in gradfuse.Pipeline(comm=SingleProcessCommunicator()).get_config()
     x = {"w": np.ones(5, np.float32)}
     assert p.allreduce(x)["w"].tolist() == [1.0] * 5
+
+
+def test_the_watchdog_shows_a_busy_exchange_thread():
+    from gradfuse.runtime.engine import Engine
+    from gradfuse.runtime.watchdog import _Hooks
+    eng, ov, release = Engine(), Overlap(), threading.Event()
+
+    def stuck_exchange(job):
+        release.wait(10)
+    h = eng.submit(lambda: ov.run([Job(0)], lambda j: None, stuck_exchange))
+    time.sleep(0.2)
+    text = _Hooks._stack(eng)
+    release.set()
+    h.wait(10)
+    assert "and the exchange thread" in text and "stuck_exchange" in text, text
+    assert "and the exchange thread" not in _Hooks._stack(eng)        # idle: not shown
+    ov.close()
+    eng.shutdown()

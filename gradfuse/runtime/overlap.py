@@ -145,7 +145,9 @@ class Overlap:
     raises the first error (the calling thread's own first).
     """
 
-    def __init__(self, name="gradfuse-exchange"):
+    NAME = "gradfuse-exchange"     # the threads' name (the watchdog prints their stacks)
+
+    def __init__(self, name=NAME):
         self.name = name
         self._queue = None
         self._thread = None
