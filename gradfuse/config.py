@@ -21,6 +21,7 @@ _NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 DEFAULT_FUSION_THRESHOLD = 1 << 20   # bytes; chosen by measurement, see docs/design.md
 DEFAULT_STALL_WARNING_S = 60.0
 DEFAULT_STALL_TIMEOUT_S = 600.0      # as PyTorch's NCCL watchdog; 0 turns it off
+DEFAULT_PIPELINE_BUCKETS = True      # bit-identical either way; measured, see docs/benchmarks.md
 
 
 # the GRADFUSE_* variable -> the Horovod 0.28.1 variable read when it is unset
@@ -114,6 +115,16 @@ def fusion_threshold(value=None):
     return int(as_int)
 
 
+def pipeline_buckets(value=None):
+    """Whether compressed buckets are pipelined (``gradfuse.runtime.overlap``): the argument
+    (True or False), else GRADFUSE_PIPELINE_BUCKETS (0 or 1), else the default."""
+    if value is None:
+        return env_bool("GRADFUSE_PIPELINE_BUCKETS", DEFAULT_PIPELINE_BUCKETS)
+    if not isinstance(value, bool) and type(value).__name__ != "bool_":
+        raise TypeError(f"pipeline_buckets must be True, False or None, got {value!r}")
+    return bool(value)
+
+
 def stall_warning_s():
     """Seconds before a waiting collective warns: GRADFUSE_STALL_WARNING_S, else
     HOROVOD_STALL_CHECK_TIME_SECONDS, else 60."""
@@ -165,5 +176,6 @@ def validate():
     stall_timeout_s()
     exit_timeout_s()
     env_bool("GRADFUSE_HOOKS", True)
+    pipeline_buckets()
     timeline_path()
     horovod_timeline()

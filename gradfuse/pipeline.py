@@ -47,6 +47,7 @@ from .fusion.plan import FusionPlan, parse_signature
 from .fusion.pool import OutputPool
 from .runtime import context as runtime
 from .runtime.control import Request
+from .runtime.overlap import Overlap
 from .step import COMPRESSIBLE, NONFINITE, Stats, Step, StepConfig
 
 # The plan cache holds what the model's calls cycle through, not a fixed number: a plan is
@@ -113,6 +114,14 @@ class Pipeline:
             (which it needs) runs uncompressed; a residual it had is added into that sum
             and cleared, so nothing is lost (docs/compressors.md). Off by default: on
             shared memory nothing pays, and it would silently switch compression off.
+        pipeline_buckets: overlap the exchange of each compressed bucket with the
+            compression of the next, on a second thread (``gradfuse.runtime.overlap``);
+            the results are bit-identical either way. Default None:
+            ``GRADFUSE_PIPELINE_BUCKETS`` (0 or 1), else on (measured in
+            docs/benchmarks.md, "Pipelined buckets"). It needs MPI at
+            ``THREAD_MULTIPLE`` (mpi4py's default) and a host step on two or more ranks;
+            elsewhere, and in steps whose compressed buckets are all fp16/bf16, the
+            buckets run serially. Ranks need not agree on it.
 
     Example:
         >>> pipe = gradfuse.Pipeline()
@@ -121,7 +130,7 @@ class Pipeline:
 
     def __init__(self, compress=None, fusion_threshold=None, average=True, comm=None,
                  direct_threshold=None, nonfinite="raise", min_elements=0, link_bandwidth=None,
-                 link_latency=None, uncompressed_if_faster=False, **compressor_options):
+                 link_latency=None, uncompressed_if_faster=False, pipeline_buckets=None, **compressor_options):
         self._policy = LayerPolicy.create(compress, min_elements, **compressor_options)
         self._compressor = self._policy.main
         self._fusion_threshold = config.fusion_threshold(fusion_threshold)
@@ -147,6 +156,7 @@ class Pipeline:
             raise ValueError("uncompressed_if_faster=True cannot be combined with momentum (DGC's momentum "
                              "correction): a bucket switching to uncompressed would have to move its "
                              "residual into the velocity path, which gradfuse does not do")
+        self._pipeline_buckets = config.pipeline_buckets(pipeline_buckets)
         self._lock = threading.Lock()
         self._ctx = runtime.context(comm)
         self.comm = self._ctx.comm
@@ -156,7 +166,8 @@ class Pipeline:
         self.state = CompressionState()
         self._backends = {}          # GPU id -> CudaBackend
         self._cfg = StepConfig(self._ctx, self._policy, self._average, self.state, self.stats,
-                               nonfinite, self._link, self._uncompressed_if_faster)
+                               nonfinite, self._link, self._uncompressed_if_faster,
+                               Overlap() if self._pipeline_buckets else None)
 
     # Read-only: plans, agreement digests and residuals are built from these, so a
     # pipeline's configuration is fixed at construction (make a new Pipeline to change it).
@@ -169,6 +180,8 @@ class Pipeline:
     average = property(lambda self: self._average, doc="Whether results are averaged.")
     nonfinite = property(lambda self: self._nonfinite, doc='What a non-finite compressed step does.')
     link = property(lambda self: self._link, doc="The cost model's link (a cost.Link), or None for its default.")
+    pipeline_buckets = property(lambda self: self._pipeline_buckets,
+                                doc="Whether compressed buckets are pipelined (where the communicator allows).")
 
     # --- public API ---------------------------------------------------------------
     def allreduce(self, grads, out=None, names=None):
@@ -235,6 +248,8 @@ class Pipeline:
             cfg.update(link_bandwidth=self._link.bandwidth, link_latency=self._link.latency)
         if self._uncompressed_if_faster:
             cfg["uncompressed_if_faster"] = True
+        if self._pipeline_buckets != config.DEFAULT_PIPELINE_BUCKETS:
+            cfg["pipeline_buckets"] = self._pipeline_buckets
         if self._policy.single:
             cfg.update({k: v for k, v in self.compressor.get_config().items() if k != "name"})
         return cfg

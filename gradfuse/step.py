@@ -8,7 +8,8 @@ bucket (or of the step), so that later work can reorder and pipeline them:
 1. ``negotiate(step)``: every rank agrees on the request (``gradfuse.runtime.control``).
 2. Compressed buckets (float32, a lossy compressor, past warm-up), one job each
    (``gradfuse.compressors.jobs``): ``compress(job)`` (residual add, compress, new
-   residual, one fused kernel) and ``exchange(job)`` (the job's collective).
+   residual, one fused kernel) and ``exchange(job)`` (the job's collective); pipelined, the
+   exchange of one bucket overlaps the next one's compression (``gradfuse.runtime.overlap``).
 3. ``check_finite(step, jobs)``: every rank has the same non-finite verdict here; a bad
    step raises ``NonFiniteError`` on every rank before anything is written.
 4. Plain buckets: ``pack(step, b)``, ``reduce(step, comm, b)`` (the MPI library's or
@@ -28,7 +29,7 @@ from .compressors.jobs import (BucketTask, halves_cannot_fail, inputs_finite, jo
 from .errors import NonFiniteError
 from .fusion.staging import F16, staging
 from .fusion.tables import as_ndarray
-from .runtime import timeline as _tl
+from .runtime import overlap as _overlap, timeline as _tl
 from .runtime.control import Request
 
 _F32 = _dt.CODE[np.dtype(np.float32)]
@@ -67,16 +68,18 @@ class StepConfig:
     ``LayerPolicy``: a bucket's ``group`` indexes its ``compressors``), averaging rule,
     compression state (residuals, step counter), counters, what a compressed step
     with NaN/Inf does (``nonfinite``: "raise" or "skip") and the link the cost model
-    assumes (``link``: None for its default)."""
+    assumes (``link``: None for its default); ``overlap``: the exchange thread of pipelined
+    buckets (``gradfuse.runtime.overlap.Overlap``), or None to run them serially."""
 
-    __slots__ = ("ctx", "compressor", "average", "state", "stats", "nonfinite", "link", "only_if_faster")
+    __slots__ = ("ctx", "compressor", "average", "state", "stats", "nonfinite", "link", "only_if_faster",
+                 "overlap")
 
     def __init__(self, ctx, compressor, average, state, stats, nonfinite="raise", link=None,
-                 only_if_faster=False):
+                 only_if_faster=False, overlap=None):
         self.ctx, self.compressor, self.average = ctx, compressor, average
         self.state, self.stats, self.nonfinite = state, stats, nonfinite
         self.link = link          # the cost model's link (gradfuse.compressors.cost.Link), or None
-        self.only_if_faster = only_if_faster      # Pipeline(uncompressed_if_faster=True)
+        self.only_if_faster, self.overlap = only_if_faster, overlap      # uncompressed_if_faster=True
 
     def step_tag(self):
         """What of the compressor state the ranks must agree on: its step counter (it drives
@@ -186,12 +189,8 @@ class Step:
                 for job in jobs.values():
                     job.state.spare()     # a step that may be refused keeps its residuals: spares
             stream = halves_cannot_fail(jobs, comm)     # fp16/bf16: bucket by bucket, one buffer
-            for job in jobs.values():
-                job.stream = stream
-                compress(job)
-                exchange(job)
-                if stream:
-                    decode(job)
+            _overlap.run_jobs(cfg.overlap, comm, self.entry.bk.device, list(jobs.values()), stream,
+                              compress, exchange, decode)     # pipelined: gradfuse.runtime.overlap
             if jobs:
                 cfg.state.claim_done(self.entry.state_key)
             if not check_finite(self, jobs):

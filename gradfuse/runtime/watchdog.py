@@ -51,6 +51,7 @@ import numpy as np
 
 from .. import config
 from .abort import ABORT_GRACE_S, COORDINATOR_LEAD_S, announce_and_abort
+from .overlap import Overlap
 
 _POLL_S = 0.1            # how often the watchdog looks
 _GRACE_S = 2.0           # a collective already running when a peer left may still finish
@@ -221,10 +222,17 @@ class _Hooks:
 
     @staticmethod
     def _stack(engine):
-        frame = sys._current_frames().get(engine._thread.ident)
+        frames = sys._current_frames()
+        frame = frames.get(engine._thread.ident)
         if frame is None:
             return "  (no stack)\n"
-        return "".join(traceback.format_stack(frame))
+        text = "".join(traceback.format_stack(frame))
+        # pipelined buckets: the collective itself may sit on a pipeline's exchange thread
+        for t in threading.enumerate():
+            f = frames.get(t.ident)
+            if t.name == Overlap.NAME and f is not None and f.f_code is not Overlap._loop.__code__:
+                text += f"and the exchange thread {t.ident} in:\n" + "".join(traceback.format_stack(f))
+        return text
 
     def _watch(self):
         while not self._stop.wait(_POLL_S):

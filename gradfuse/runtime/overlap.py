@@ -1,0 +1,215 @@
+"""Pipelined buckets: the exchange of bucket i overlaps the compression of bucket i+1.
+
+``Pipeline(pipeline_buckets=True)`` (the default, ``GRADFUSE_PIPELINE_BUCKETS``) gives the
+pipeline a second thread, its *exchange thread*. In a step, the communication thread
+compresses the compressed buckets one after the other and hands each to the exchange
+thread, which runs the bucket's collective while the communication thread compresses the
+next bucket. The step goes on (plain buckets, the non-finite verdict, the decodes) only
+once the exchange thread has run every bucket it was given, so the communicator is used
+by one thread at a time, and the collectives run in bucket order on every rank: the same
+collectives on the same bytes, in the same order as without the thread, so the results
+are bit-identical.
+
+Why a thread: MPICH makes progress on a non-blocking collective only inside MPI calls, so
+one posted before a compression kernel would mostly wait until the kernel returned. On
+the exchange thread, the collective's request is tested every ``POLL_S`` (``PollingComm``):
+it progresses at every test, and between tests the thread sleeps, so the core is free for
+the compression (a blocking call, or ``Wait``, spins in MPI's progress loop: with two
+ranks on two cores that took the core from the compression, measured in
+docs/benchmarks.md). The kernels and mpi4py release the GIL. This needs
+``MPI.Query_thread() == MPI.THREAD_MULTIPLE`` (mpi4py's default); under a lower thread
+level, on one rank, on a GPU (the stages run on the backend's stream) or on a
+communicator other than MPI's, the step runs serially (``enabled``); so does a step of
+fp16/bf16 buckets alone (their 16-bit allreduce is a blocking call: measured slower
+pipelined).
+
+Errors: the first error of an exchange (a raise in the job, a failed collective) stops
+the exchange thread's part of the step: the buckets queued after it are dropped, not
+run, so every rank that failed at bucket i runs the collectives of buckets 0..i-1 only,
+as it would serially. An error of a compression on the communication thread stops the
+hand-over; the buckets already handed over still run (the other ranks run them too).
+Either way ``run`` returns only once the exchange thread is idle, so nothing writes into
+a bucket's buffers or the outputs after the error reached the caller.
+"""
+import queue
+import threading
+import time
+import weakref
+
+import numpy as np
+
+_thread_multiple = []      # [whether the process's MPI runs THREAD_MULTIPLE], once asked
+
+
+def enabled(comm, device):
+    """Whether a step on ``comm`` (``device``: the backend's) may run its buckets pipelined."""
+    if device != "cpu" or comm.size < 2 or getattr(comm, "kind", None) != "mpi":
+        return False
+    if not _thread_multiple:
+        from ..comm.mpi import mpi
+        MPI = mpi()
+        _thread_multiple.append(MPI.Query_thread() == MPI.THREAD_MULTIPLE)
+    return _thread_multiple[0]
+
+
+#: the algorithms whose collectives (allgather, alltoall) the exchange thread runs as
+#: non-blocking calls it polls; a step with none of them (fp16/bf16 alone: the 16-bit
+#: allreduce, a blocking call that spins) runs serially: measured slower pipelined
+POLLED = frozenset({"allgather", "twophase", "sparse_allreduce"})
+POLL_S = 50e-6       # the exchange thread's sleep between two tests of its request (measured)
+
+
+def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
+    """Compress and exchange the step's compressed ``jobs`` (a list, in bucket order), and
+    decode each at once when ``stream`` (fp16/bf16 buckets that cannot fail): pipelined on
+    ``ov`` (an ``Overlap``, or None for serial) where ``enabled`` and some job's algorithm is
+    in ``POLLED`` (streamed steps never are), else one after the other."""
+    for job in jobs:
+        job.stream = stream
+    if (ov is None or stream or len(jobs) < 2 or not any(j.algorithm in POLLED for j in jobs)
+            or not enabled(comm, device)):
+        for job in jobs:
+            compress(job)
+            exchange(job)
+            if stream:
+                decode(job)
+        return
+    polling = PollingComm(comm)
+    for job in jobs:
+        job.comm = polling
+    ov.run(jobs, compress, exchange)
+
+
+class PollingComm:
+    """``comm`` for the exchange thread: ``allgather`` and ``alltoall`` as MPI's
+    non-blocking calls, waited for by testing the request every ``POLL_S`` seconds, so
+    that the thread sleeps instead of spinning in MPI's progress loop and leaves the core
+    to the next bucket's compression (with 2 ranks per 2 cores, a spinning wait took it:
+    docs/benchmarks.md, "Pipelined buckets"). The same bytes move, so the results are the
+    blocking calls' bits. Everything else goes to ``comm`` itself."""
+
+    def __init__(self, comm, poll_s=POLL_S):
+        self._comm, self._poll = comm, poll_s
+
+    def __getattr__(self, name):
+        return getattr(self._comm, name)
+
+    def _wait(self, req):
+        while not req.Test():
+            time.sleep(self._poll)
+
+    @staticmethod
+    def _bytes(arr):
+        if not arr.flags.c_contiguous:      # a copy would receive the bytes instead of arr
+            raise ValueError(f"PollingComm: a wire buffer of shape {arr.shape} is not contiguous")
+        return arr.reshape(-1).view(np.uint8)
+
+    def allgather(self, src, dst):
+        """``comm.allgather``, polled."""
+        self._wait(self._comm.data.Iallgather([self._bytes(src), _byte()], [self._bytes(dst), _byte()]))
+        return dst
+
+    def alltoall(self, src, dst):
+        """``comm.alltoall``, polled."""
+        self._wait(self._comm.data.Ialltoall([self._bytes(src), _byte()], [self._bytes(dst), _byte()]))
+        return dst
+
+
+def _byte():
+    from ..comm.mpi import mpi
+    return mpi().BYTE
+
+
+class _Batch:
+    """One step's hand-over: how many buckets ran, and the first error."""
+
+    __slots__ = ("cond", "done", "error")
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.done = 0
+        self.error = None
+
+    def wait_done(self, n):
+        with self.cond:
+            while self.done < n:
+                self.cond.wait()
+
+
+class Overlap:
+    """One pipeline's exchange thread (started at its first pipelined step, a daemon).
+
+    ``run(jobs, first, second)`` runs ``first(job)`` on the calling thread and then
+    ``second(job)`` on the exchange thread, for each job in order (the calling thread
+    runs ahead: each job's buffers are its own). Returns when every ``second`` has run;
+    raises the first error (the calling thread's own first).
+    """
+
+    NAME = "gradfuse-exchange"     # the threads' name (the watchdog prints their stacks)
+
+    def __init__(self, name=NAME):
+        self.name = name
+        self._queue = None
+        self._thread = None
+        self._lock = threading.Lock()
+        self.runs = 0             # steps whose buckets ran pipelined
+
+    def _start(self):
+        with self._lock:
+            if self._thread is None:
+                self._queue = queue.SimpleQueue()
+                self._thread = threading.Thread(target=self._loop, args=(self._queue,), name=self.name,
+                                                daemon=True)
+                self._thread.start()
+                weakref.finalize(self, self._queue.put, None)     # a dropped pipeline's thread ends
+
+    @staticmethod
+    def _loop(q):
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            batch, fn, job = item
+            del item
+            error = None
+            if batch.error is None:          # after an error, the rest of the step is dropped
+                try:
+                    fn(job)
+                except BaseException as exc:     # handed to the step, never lost
+                    error = exc
+            with batch.cond:
+                if error is not None and batch.error is None:
+                    batch.error = error
+                batch.done += 1
+                batch.cond.notify_all()
+            del batch, fn, job, error
+
+    def run(self, jobs, first, second):
+        """See the class docstring."""
+        if self._thread is None:
+            self._start()
+        batch, sent, mine = _Batch(), 0, None
+        self.runs += 1
+        try:
+            for job in jobs:
+                if batch.error is not None:
+                    break
+                first(job)
+                self._queue.put((batch, second, job))
+                sent += 1
+        except BaseException as exc:
+            mine = exc
+        batch.wait_done(sent)
+        if mine is not None:
+            raise mine
+        if batch.error is not None:
+            error, batch.error = batch.error, None
+            raise error
+
+    def close(self):
+        """Stop the exchange thread (a later ``run`` starts a new one)."""
+        with self._lock:
+            if self._thread is not None:
+                self._queue.put(None)
+                self._thread.join()
+                self._thread = self._queue = None

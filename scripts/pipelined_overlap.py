@@ -1,0 +1,210 @@
+#!/usr/bin/env python
+"""Pipelined buckets against serial ones (issue 16, item 4), on an emulated cluster.
+
+    sudo python scripts/pipelined_overlap.py --hosts 2 --link 1gbit          # the table
+    python scripts/pipelined_overlap.py --place local --hosts 2              # shared memory, no root
+
+Per compressor (ResNet-50's gradients, ``--fusion-threshold``, every other option at its
+default): the step time with ``pipeline_buckets=False`` and ``True`` (and with
+``--blocking``, pipelined with blocking waits on the exchange thread), alternated A B C,
+C B A round by round in the same run; the compute time: the same step alone on one rank
+(``COMM_SELF``: no network, one payload to decode) and, for reference, the kernels alone
+(the communication thread's pack, compress, decompress and unpack spans of gradfuse's
+timeline in serial steps of their own); the bytes that left and entered this host's
+``eth0`` per step (``/sys/class/net/eth0/statistics``; the tbf queues shape both), so
+wire = max(sent, received) / link rate; and the ratio pipelined / max(compute, wire),
+issue 16's target <= 1.2. The tc counters of the whole run are printed as a check that the traffic crossed
+the shaped links.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def _net(name):
+    try:
+        with open(f"/sys/class/net/eth0/statistics/{name}") as f:
+            return int(f.read())
+    except OSError:
+        return 0
+
+
+def worker(out, methods, rounds, threshold, blocking=False):
+    from mpi4py import MPI
+
+    import gradfuse
+    from gradfuse.bench.sets import make_set, resnet50_shapes
+    from gradfuse.runtime import overlap, timeline
+    polling = overlap.PollingComm
+
+    gradfuse.init()
+    world = MPI.COMM_WORLD
+    me = world.Get_rank()
+    grads = make_set(resnet50_shapes(), seed=me)
+    names = [f"g{i}" for i in range(len(grads))]
+    results = {}
+    tmp = tempfile.mkdtemp(prefix="gf-pipe-")
+    for method in methods:
+        pipes = {flag: gradfuse.Pipeline(compress=method, fusion_threshold=threshold, pipeline_buckets=flag)
+                 for flag in (False, True)}
+        bufs = {flag: [g.copy() for g in grads] for flag in pipes}
+
+        def step(flag):
+            for b, g in zip(bufs[flag], grads):
+                b[...] = g
+            world.Barrier()
+            tx, rx, t0 = _net("tx_bytes"), _net("rx_bytes"), time.perf_counter()
+            pipes[flag].allreduce_(dict(zip(names, bufs[flag])))
+            t = time.perf_counter() - t0
+            return t, _net("tx_bytes") - tx, _net("rx_bytes") - rx
+
+        for flag in (False, True, False, True):
+            step(flag)                                   # warm-up: plans, buffers
+        times = {False: [], True: [], "blocking": []}
+        wire = []
+        variants = [False, True, "blocking"] if blocking else [False, True]
+        for r in range(rounds):
+            for v in (variants if r % 2 == 0 else variants[::-1]):
+                if v == "blocking":        # the design measured against: blocking waits on the thread
+                    overlap.PollingComm = lambda comm: comm
+                t, tx, rx = step(v is not False)
+                overlap.PollingComm = polling
+                times[v].append(t)
+                wire.append(max(tx, rx))
+        # compute: the serial step's kernel stages, from the timeline (steps of their own)
+        path = os.path.join(tmp, f"{method}.rank{me}.json")
+        sink = timeline.start(path, rank=me)
+        n_tl = 3
+        for _ in range(n_tl):
+            step(False)
+        timeline.stop(sink)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+        tracks = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+        per_stage = {}
+        for e in events:
+            if e["ph"] == "X":
+                k = tracks[e["tid"]].split(" ")[0]
+                per_stage[k] = per_stage.get(k, 0.0) + e["dur"] / n_tl / 1e6
+        compute = sum(per_stage.get(k, 0.0) for k in ("pack", "compress", "decompress", "unpack"))
+        # and the step on this rank alone (COMM_SELF: no network, one payload to decode)
+        solo = gradfuse.Pipeline(compress=method, fusion_threshold=threshold, comm=MPI.COMM_SELF)
+        sb = [g.copy() for g in grads]
+        solo_t = []
+        for i in range(4):
+            for b, g in zip(sb, grads):
+                b[...] = g
+            t0 = time.perf_counter()
+            solo.allreduce_(dict(zip(names, sb)))
+            if i:
+                solo_t.append(time.perf_counter() - t0)
+        del solo, sb
+        st = pipes[True].stats
+        plan = next(iter(pipes[True]._plans.values())).plan
+        results[method] = {"serial": statistics.median(times[False]), "pipelined": statistics.median(times[True]),
+                           "blocking": statistics.median(times["blocking"]) if times["blocking"] else None,
+                           "serial_all": times[False], "pipelined_all": times[True],
+                           "wire_bytes": statistics.median(wire), "compute": compute,
+                           "stages": per_stage, "solo": statistics.median(solo_t),
+                           "sent_estimate": st.bytes_sent / max(st.steps, 1), "buckets": len(plan.buckets),
+                           "pipelined_runs": pipes[True]._cfg.overlap.runs}
+        if me == 0:
+            r = results[method]
+            sys.stderr.write(f"  {method}: serial {r['serial'] * 1e3:.1f} ms, pipelined {r['pipelined'] * 1e3:.1f} ms, "
+                             + (f"blocking waits {r['blocking'] * 1e3:.1f} ms, " if blocking else "") +
+                             f"compute {compute * 1e3:.1f} ms, alone {r['solo'] * 1e3:.1f} ms, "
+                             f"wire {r['wire_bytes'] / 1e6:.2f} MB/step; serial stages (ms): "
+                             + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(per_stage.items())) + "\n")
+            sys.stderr.flush()
+        del pipes, bufs
+    gathered = world.gather(results, root=0)
+    if me == 0:
+        with open(out, "w") as f:
+            json.dump({"ranks": gathered, "p": world.Get_size(),
+                       "thread_multiple": MPI.Query_thread() == MPI.THREAD_MULTIPLE}, f)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hosts", type=int, default=2)
+    ap.add_argument("--link", default="1gbit")
+    ap.add_argument("--place", choices=("netns", "local"), default="netns")
+    ap.add_argument("--methods", default="1bit,topk,fp16")
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--fusion-threshold", type=int, default=None, help="bytes (default: gradfuse's)")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--blocking", action="store_true",
+                    help="also time the pipelined step with blocking waits on the exchange thread")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        return worker(a.worker, a.methods.split(","), a.rounds, a.fusion_threshold, a.blocking)
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryDirectory(prefix="gf-pipe-") as tmp:
+        out = os.path.join(tmp, "out.json")
+        argv_w = [sys.executable, os.path.abspath(__file__), "--worker", out, "--methods", a.methods,
+                  "--rounds", str(a.rounds)]
+        if a.fusion_threshold is not None:
+            argv_w += ["--fusion-threshold", str(a.fusion_threshold)]
+        if a.blocking:
+            argv_w.append("--blocking")
+        load0 = os.getloadavg()
+        if a.place == "local":
+            rc = subprocess.run([mpiexec, "-n", str(a.hosts)] + argv_w, env=env).returncode
+            bps, tc = None, None
+        else:
+            from gradfuse.bench import netns
+            with netns.Cluster(a.hosts, a.link) as c:
+                before = c.counters()
+                rc = c.run(c.mpiexec(argv_w, mpiexec=mpiexec), env=env).returncode
+                tc = netns.counter_delta(before, c.counters())
+                bps = c.bps
+        load1 = os.getloadavg()
+        if rc:
+            raise SystemExit(f"the ranks failed (exit status {rc})")
+        with open(out) as f:
+            res = json.load(f)
+    print(f"# {a.place} {a.hosts} ranks{'' if bps is None else ' ' + a.link}, ResNet-50, fusion threshold "
+          f"{a.fusion_threshold or 'default'}, {a.rounds} rounds, THREAD_MULTIPLE={res['thread_multiple']}; "
+          f"load average {load0[0]:.2f} before, {load1[0]:.2f} after")
+    if tc:
+        print("# tc bytes this run (sent by host, received by host): "
+              + ", ".join(f"{h}: {s / 1e6:.1f} / {r / 1e6:.1f} MB" for h, (s, r) in tc.items()))
+    blk = " pipelined, blocking waits |" if a.blocking else ""
+    print("| compressor | buckets | kernels | compute (1 rank) | wire MB/step | wire time | bound | serial |" + blk +
+          " pipelined | pipelined / bound | serial / pipelined |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if a.blocking else "") + "---:|---:|---:|")
+    rows = {}
+    for m in a.methods.split(","):
+        per = [r[m] for r in res["ranks"]]
+        kernels = max(r["compute"] for r in per)
+        compute = max(r["solo"] for r in per)         # the step alone on one rank: no network
+        wb = max(r["wire_bytes"] for r in per)
+        wire = wb * 8 / bps if bps else 0.0
+        serial = max(r["serial"] for r in per)
+        piped = max(r["pipelined"] for r in per)
+        bound = max(compute, wire)
+        rows[m] = dict(kernels=kernels, compute=compute, wire_bytes=wb, wire=wire, bound=bound, serial=serial,
+                       pipelined=piped, buckets=per[0]["buckets"], runs=per[0]["pipelined_runs"])
+        bcol = f" {max(r['blocking'] for r in per) * 1e3:.1f} ms |" if a.blocking else ""
+        rows[m]["blocking"] = max(r["blocking"] for r in per) if a.blocking else None
+        print(f"| {m} | {per[0]['buckets']} | {kernels * 1e3:.1f} ms | {compute * 1e3:.1f} ms | {wb / 1e6:.2f} | "
+              f"{wire * 1e3:.1f} ms | "
+              f"{bound * 1e3:.1f} ms | {serial * 1e3:.1f} ms |{bcol} {piped * 1e3:.1f} ms | {piped / bound:.2f} | "
+              f"{serial / piped:.2f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"rows": rows, "raw": res, "load": [load0, load1], "link": a.link, "place": a.place}, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Pipelined buckets (``gradfuse.runtime.overlap``) across ranks: the same bits as the
+serial step for every compressor and algorithm, on several buckets; an error in one
+bucket's exchange (or compression) reaches the caller on every rank, with nothing of the
+step still running, and the pipeline goes on; ``nonfinite="skip"`` and "raise" as before;
+the timeline keeps one nesting track per stage and thread."""
+import os
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import gradfuse
+from gradfuse.compressors.exchange import AllgatherJob
+from gradfuse.compressors.sparse_allreduce import SparseAllreduceJob
+from gradfuse.compressors.twophase import TwoPhaseJob
+from gradfuse.errors import NonFiniteError
+from gradfuse.runtime import timeline
+from timeline_checks import assert_nested, load_trace, spans, track_names
+
+SIZES = (300, 17, 1000, 1, 640, 129, 2048, 0, 77, 900)
+THRESHOLD = 2048          # bytes: several buckets of a few tensors each
+
+CASES = [
+    ("none", {}),
+    ("fp16", {}),
+    ("fp16", {"predivide": True}),
+    ("bf16", {}),
+    ("1bit", {"algorithm": "allgather", "block_size": 64}),
+    ("1bit", {"algorithm": "twophase", "block_size": 32}),
+    ("1bit", {"algorithm": "twophase", "error_feedback": False}),
+    ("2bit", {"threshold": 0.3}),
+    ("2bit", {"algorithm": "twophase", "block_size": 32}),
+    ("topk", {"ratio": 0.05}),
+    ("randomk", {"ratio": 0.05, "seed": 3}),
+    ("randomk", {"ratio": 0.1, "algorithm": "allreduce"}),
+    ({"t1": "fp16", "t6": "fp16", "*": "1bit"}, {}),      # 16-bit allreduces on the exchange thread too
+]
+SERIAL = ("none", "fp16", "bf16")      # no job (none), or 16-bit allreduces alone: run serially
+
+
+def grads_for(rank, step, ints=False):
+    rng = np.random.default_rng([rank, step, 16])
+    g = {f"t{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(SIZES)}
+    g["h"] = rng.standard_normal(333).astype(np.float16)
+    if ints:                  # summed (average=False) in a plain bucket of their own
+        g["i"] = np.arange(5, dtype=np.int64) + rank
+    return g
+
+
+def pair(name, opts, **kw):
+    a = gradfuse.Pipeline(compress=name, fusion_threshold=THRESHOLD, pipeline_buckets=True, **opts, **kw)
+    b = gradfuse.Pipeline(compress=name, fusion_threshold=THRESHOLD, pipeline_buckets=False, **opts, **kw)
+    return a, b
+
+
+def same(x, y):
+    return all(np.asarray(x[k]).tobytes() == np.asarray(y[k]).tobytes() for k in x) and set(x) == set(y)
+
+
+def same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    if sa["step"] != sb["step"] or set(sa["buckets"]) != set(sb["buckets"]):
+        return False
+    return all(sa["buckets"][k][f].tobytes() == sb["buckets"][k][f].tobytes()
+               for k in sa["buckets"] for f in ("residual", "server_residual"))
+
+
+def n_buckets(pipe):
+    return len(next(iter(pipe._plans.values())).plan.buckets)
+
+
+@pytest.mark.parametrize("name,opts", CASES)
+def test_pipelined_steps_are_the_serial_bits(world, name, opts):
+    rank = world.Get_rank()
+    a, b = pair(name, opts)
+    for step in range(4):
+        ra, rb = a.allreduce(grads_for(rank, step)), b.allreduce(grads_for(rank, step))
+        assert same(ra, rb), (name, opts, step)
+        assert same_state(a, b), (name, opts, step)
+    assert n_buckets(a) >= 5
+    assert a._cfg.overlap.runs == (0 if name in SERIAL else 4)
+    assert (a._cfg.overlap.runs > 0) == (name not in SERIAL)     # the exchange thread ran
+    assert b._cfg.overlap is None
+    assert a.stats.as_dict() == b.stats.as_dict()
+    # the same on every rank
+    got = world.allgather(np.concatenate([np.asarray(ra[k]).view(np.uint8).ravel() for k in sorted(ra)]).tobytes())
+    assert len(set(got)) == 1
+
+
+@pytest.mark.parametrize("name,opts", [("1bit", {"algorithm": "twophase"}), ("topk", {"ratio": 0.1}),
+                                       ("fp16", {})])
+def test_nonfinite_skip_and_raise_unchanged(world, name, opts):
+    rank, size = world.Get_rank(), world.Get_size()
+    for policy in ("skip", "raise"):
+        a, b = pair(name, opts, nonfinite=policy, average=False)
+        for step in range(3):
+            g = grads_for(rank, step, ints=True)
+            if step == 1 and rank == size - 1:
+                g["t6"][11] = np.inf
+            outs = []
+            for pipe in (a, b):
+                try:
+                    outs.append(pipe.allreduce(g))
+                except NonFiniteError as exc:
+                    outs.append(str(exc))
+            if step == 1 and policy == "raise":
+                assert isinstance(outs[0], str) and outs[0] == outs[1]
+            else:
+                assert same(*outs), (name, policy, step)
+            if step == 1 and policy == "skip":
+                assert np.isnan(outs[0]["t6"]).all() and np.isnan(outs[0]["h"]).all()
+            assert same_state(a, b)
+        assert a.stats.as_dict() == b.stats.as_dict()
+
+
+class Inject:
+    """Patch ``cls.<stage>`` to raise on bucket ``bad`` at the ``when``-th call of its
+    stage (every rank alike), recording when each call of it ended."""
+
+    def __init__(self, monkeypatch, cls, stage, bad, slow=0.0):
+        self.calls, self.ended, self.armed = [], [], False
+        orig = getattr(cls, stage)
+        self.thread = None
+
+        def patched(job):
+            self.calls.append(job.bucket.index)
+            if self.armed and job.bucket.index == 0 and slow:
+                time.sleep(slow)           # the next buckets' compressions run meanwhile
+            try:
+                if self.armed and job.bucket.index == bad:
+                    raise RuntimeError(f"injected {stage} error in bucket {bad}")
+                return orig(job)
+            finally:
+                self.ended.append(time.monotonic())
+                self.thread = threading.get_ident()
+        monkeypatch.setattr(cls, stage, patched)
+
+
+@pytest.mark.parametrize("name,opts,cls", [
+    ("1bit", {"algorithm": "allgather"}, AllgatherJob),
+    ("1bit", {"algorithm": "twophase"}, TwoPhaseJob),
+    ("randomk", {"ratio": 0.1, "algorithm": "allreduce"}, SparseAllreduceJob),
+])
+@pytest.mark.parametrize("stage", ["exchange", "compress"])
+def test_an_error_in_one_bucket_reaches_every_rank(world, monkeypatch, name, opts, cls, stage):
+    rank = world.Get_rank()
+    a, b = pair(name, opts)
+    a.allreduce(grads_for(rank, 0))
+    b.allreduce(grads_for(rank, 0))
+    inj = Inject(monkeypatch, cls, stage, bad=2, slow=0.2 if stage == "exchange" else 0.0)
+    inj.armed = True
+    before = a.state_dict()["step"]
+    with pytest.raises(RuntimeError, match=f"injected {stage} error in bucket 2"):
+        a.allreduce(grads_for(rank, 1))
+    returned = time.monotonic()
+    n_ex = len(inj.calls)
+    assert inj.calls[:3] == [0, 1, 2], inj.calls
+    if stage == "exchange":
+        # the buckets after the failed one were dropped, not exchanged, and nothing of
+        # the step ran after the error reached the caller
+        assert n_ex == 3, inj.calls
+    assert max(inj.ended) <= returned
+    time.sleep(0.05)
+    assert len(inj.calls) == n_ex                      # nothing ran later either
+    assert a.state_dict()["step"] == before            # the step did not happen
+    inj.armed = False
+    # the pipeline goes on: the next steps pair up on every rank and match a serial
+    # pipeline started from the same state (a failed step may have compressed buckets
+    # ahead of the failing one, and the compression updates residuals)
+    b.load_state_dict(a.state_dict())
+    for step in (2, 3):
+        ra, rb = a.allreduce(grads_for(rank, step)), b.allreduce(grads_for(rank, step))
+        assert same(ra, rb), (name, stage, step)
+    got = world.allgather(ra["t0"].tobytes())
+    assert len(set(got)) == 1
+
+
+def test_timeline_tracks_nest_with_the_exchange_thread(world):
+    me, p = world.Get_rank(), world.Get_size()
+    where = world.bcast(tempfile.mkdtemp(prefix="gradfuse_pipe_tl_") if me == 0 else None, root=0)
+    path = timeline.rank_path(os.path.join(where, "tl.json"), me, p)
+    pipe = gradfuse.Pipeline(compress="1bit", fusion_threshold=THRESHOLD, pipeline_buckets=True, average=False)
+    sink = timeline.start(path, rank=me)
+    for step in range(2):
+        pipe.allreduce(grads_for(me, step, ints=True))
+    timeline.stop(sink)
+    trace = load_trace(path)
+    assert_nested(trace)
+    names = track_names(trace)
+    by_stage = {}
+    for e in spans(trace):
+        by_stage.setdefault(names[(e["pid"], e["tid"])], set()).add(e["args"].get("bucket"))
+    buckets = set(range(n_buckets(pipe)))
+    # compressed buckets: compress on the communication thread, exchange on the exchange
+    # thread; the int64 bucket's exchange (a plain allreduce) on the communication thread,
+    # a track of its own ("exchange (2)")
+    assert by_stage["compress"] | by_stage["unpack"] == buckets
+    exchange = set().union(*(v for k, v in by_stage.items() if k.startswith("exchange")))
+    assert exchange == buckets
+    assert len([k for k in by_stage if k.startswith("exchange")]) == 2
+    assert len(by_stage["unpack"]) == 1 and len(by_stage["compress"]) == len(buckets) - 1
+
+
+def test_serial_below_thread_multiple(world, monkeypatch):
+    from gradfuse.runtime import overlap
+    monkeypatch.setattr(overlap, "_thread_multiple", [False])      # as under MPI_THREAD_SERIALIZED
+    rank = world.Get_rank()
+    a, b = pair("1bit", {})
+    for step in range(2):
+        assert same(a.allreduce(grads_for(rank, step)), b.allreduce(grads_for(rank, step)))
+    assert a._cfg.overlap.runs == 0
