@@ -9,8 +9,8 @@ the ratios to "ddp", not the absolute times). A step is forward, backward (with 
 exchange) and SGD; DDP's buckets hold 64 MB (``--bucket-cap-mb``: one bucket here; see
 its help for why). Every method first runs ``--warmup`` steps; then ``--rounds`` rounds
 run ``--steps`` steps of every method in turn (A B C .. A B C ..), so that a change of the
-machine's load hits all methods alike; the median over all timed steps is reported (the
-slowest rank's).
+machine's load hits all methods alike; the median over all timed steps is reported, and
+its quartiles (each the slowest rank's).
 
 Bytes per step are what one rank puts on the wire, an allreduce of S bytes counted as a
 bandwidth-optimal one's 2(p-1)/p x S: for gradfuse its pipelines' ``bytes_sent`` (allgather
@@ -149,26 +149,26 @@ def main():
     for _ in range(args.rounds):
         for b in benches:
             b.run(args.steps, timed=True)
-    rows = [(b.method, _slowest(statistics.median(b.times)) * 1e3, b.per_step(size),
-             _slowest(b.wire / b.steps)) for b in benches]
+    rows = [(b.method, _slowest(statistics.median(b.times)) * 1e3, b.per_step(size), _slowest(b.wire / b.steps),
+             [_slowest(q) * 1e3 for q in statistics.quantiles(b.times, n=4)[::2]]) for b in benches]
     if args.tc_dev:
         print(f"rank {rank}: {sum(b.wire for b in benches)} bytes left {args.tc_dev} in the timed steps", flush=True)
     if rank == 0:
-        base = dict((m, t) for m, t, _, _ in rows).get("ddp")
+        base = dict((m, r[0]) for m, *r in rows).get("ddp")
         nbytes = benches[0].nbytes
         print(f"{size} ranks, gloo, MLP {args.layers} x Linear({args.width}, {args.width}): {nbytes / 1e6:.1f} MB of "
               f"fp32 gradients; batch {args.batch}; DDP buckets of {args.bucket_cap_mb} MB; {args.warmup} warm-up "
               f"steps, then median of {args.rounds} rounds x {args.steps} steps (methods alternated), slowest rank")
         wire = args.tc_dev is not None
-        head = "| method | step time (ms) | vs ddp | bytes/step/rank | vs ddp |"
+        head = "| method | step time (ms) | quartiles (ms) | vs ddp | bytes/step/rank | vs ddp |"
         if wire:
             head += f" on {args.tc_dev} (tc), bytes/step/rank |" + (" link-bound time (ms) |" if args.link_bps else "")
         print(head)
-        print("|---|---:|---:|---:|---:|" + ("---:|" if wire else "") + ("---:|" if wire and args.link_bps else ""))
+        print("|---|---:|---:|---:|---:|---:|" + ("---:|" if wire else "") + ("---:|" if wire and args.link_bps else ""))
         ddp_bytes = 2 * (size - 1) / size * nbytes
-        for m, t, b, w in rows:
+        for m, t, b, w, (q1, q3) in rows:
             rel = f"{t / base:.2f}x" if base else "-"
-            line = f"| {m} | {t:.1f} | {rel} | {b:,.0f} | {ddp_bytes / b:.1f}x less |"
+            line = f"| {m} | {t:.1f} | {q1:.0f}-{q3:.0f} | {rel} | {b:,.0f} | {ddp_bytes / b:.1f}x less |"
             if wire:
                 line += f" {w:,.0f} |" + (f" {w * 8 / args.link_bps * 1e3:.1f} |" if args.link_bps else "")
             print(line, flush=True)
