@@ -40,7 +40,7 @@ def table_first_bad_sum(const int64_t[::1] ptrs, const int64_t[::1] counts, Py_s
 
 
 def table_absmax(const int64_t[::1] ptrs, const int64_t[::1] counts, Py_ssize_t lo, Py_ssize_t hi):
-    """max |x| over the float32 tensors of rows lo..hi-1 as a Python float (0.0 when they
+    """max(abs(x)) over the float32 tensors of rows lo..hi-1 as a Python float (0.0 when they
     hold no element), or ``inf`` when any value is an inf or a NaN."""
     _fin_check_table("table_absmax", ptrs, counts, lo, hi)
     cdef _fin_u32 b = 0
