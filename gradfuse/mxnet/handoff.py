@@ -33,7 +33,7 @@ from ..fusion.deferred import Deferred
 from ..pipeline import Pipeline
 from ..runtime import context as _runtime
 from ..runtime.control import Request
-from . import fence
+from . import fence, hugepages
 from .errors import _wait
 
 _registered = {}
@@ -117,6 +117,7 @@ class Call:
             raise RuntimeError(f"{self.name}: MXNet did not take the operation: {self.push_error}")
         if err:
             raise ValueError(f"{self.name}: MXNet could not hand over an array's memory: {err}")
+        hugepages.advise(self.tables.ptrs, self.tables.nbytes)      # once per array: numpy's advice
         if self.n_read == 0 and self.op.shared:
             partial_overlap(self.tables, self.name, self.names)
 
