@@ -12,6 +12,7 @@ parameters.
 import argparse
 import json
 import os
+import sys
 
 import numpy as np
 import pytorch_lightning as pl
@@ -67,11 +68,15 @@ def main():
     out = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
     dist.all_gather(out, flat)
     st = state.stats
-    print("GRADFUSE-LIGHTNING " + json.dumps({
+    line = "GRADFUSE-LIGHTNING " + json.dumps({
         "rank": dist.get_rank(), "world_size": dist.get_world_size(), "compress": args.compress,
         "hook_calls": state.calls, "iterations": state.iteration, "steps": st["steps"],
         "bytes_sent": st["bytes_sent"], "bytes_reduced": st["bytes_reduced"], "global_step": trainer.global_step,
-        "test_acc": acc, "identical_on_all_ranks": all(torch.equal(o, out[0]) for o in out)}), flush=True)
+        "test_acc": acc, "identical_on_all_ranks": all(torch.equal(o, out[0]) for o in out)}) + "\n"
+    # one write() of the whole line: the ranks share the pipe, and print's separate writes of
+    # the text and its newline interleaved two ranks' lines (seen in CI)
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), line.encode())
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import pytest
 
 import gradfuse._core as core
 
+CHUNK = 8192          # numpy 1.x's default buffer size (np.getbufsize())
 SIZES = list(range(0, 140)) + [255, 256, 257, 1000, 8191, 8192, 8193, 16384, 16391, 100003, 1 << 20, 2359296]
 
 
@@ -31,8 +32,17 @@ def table(arrays):
 
 
 def np_sum(x):
+    """numpy 1.x's ``np.add.reduce(x, dtype=np.float32)`` on a float32 array, the kernel's rule,
+    on any numpy: its buffered reduction adds the pairwise sums of 8192-element chunks in order,
+    0 + pw(x[:8192]) + pw(x[8192:16384]) + ... (numpy 2 sums such an array unbuffered, in another
+    order, above 8192 elements; a chunk of at most 8192 is one pairwise sum in both)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        return np.add.reduce(x, dtype=np.float32)
+        if x.size <= CHUNK:
+            return np.add.reduce(x, dtype=np.float32)
+        acc = np.float32(0.0)
+        for i in range(0, x.size, CHUNK):
+            acc = np.float32(acc + np.add.reduce(x[i:i + CHUNK], dtype=np.float32))
+        return acc
 
 
 @pytest.mark.parametrize("scale", [1.0, 1e36, 3e38])

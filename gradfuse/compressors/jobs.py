@@ -29,10 +29,11 @@ def pays(comp, algorithm, n, p, link, counts):
 
 def inputs_finite(jobs, comm):
     """Whether every rank's compressed inputs are finite (single-buffered residuals are then
-    updated in place). One float32 sum per tensor (numpy's pairwise
-    ``np.add.reduce(x, dtype=np.float32)``, bit for bit, by the ``table_first_bad_sum``
-    kernel: one call per bucket; a finite sum has finite terms; an overflowing one only
-    costs this step its in-place update) and one allreduce of a flag."""
+    updated in place). One float32 sum per tensor (numpy 1.x's pairwise
+    ``np.add.reduce(x, dtype=np.float32)``, bit for bit, on any numpy, by the
+    ``table_first_bad_sum`` kernel: one call per bucket; a finite sum has finite terms
+    whatever the order of the adds; an overflowing one only costs this step its in-place
+    update) and one allreduce of a flag."""
     bad = 0
     for job in jobs.values():
         ptrs, _, cnt, lo, hi = job.src
