@@ -28,26 +28,38 @@
 #define GF_FIN_HAVE_AVX2 0
 #endif
 
+/* numpy's pairwise base cases, shared by the scalar and AVX2 twins: a running sum below
+ * 8 elements, and the fold of the eight accumulators r[0..7] plus the tail from i on */
+static inline float gf_fin_short_sum(const float* a, int64_t n)
+{
+    float res = 0.0f;
+    int64_t i;
+    for (i = 0; i < n; i++)
+        res += a[i];
+    return res;
+}
+
+static inline float gf_fin_fold8(const float* r, const float* a, int64_t i, int64_t n)
+{
+    float res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+    for (; i < n; i++)
+        res += a[i];
+    return res;
+}
+
 static float gf_fin_pairwise_sum(const float* a, int64_t n)
 {
     if (n < 8) {
-        float res = 0.0f;
-        int64_t i;
-        for (i = 0; i < n; i++)
-            res += a[i];
-        return res;
+        return gf_fin_short_sum(a, n);
     } else if (n <= 128) {
-        float r[8], res;
+        float r[8];
         int64_t i, j;
         for (j = 0; j < 8; j++)
             r[j] = a[j];
         for (i = 8; i < n - (n % 8); i += 8)
             for (j = 0; j < 8; j++)
                 r[j] += a[i + j];
-        res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
-        for (; i < n; i++)
-            res += a[i];
-        return res;
+        return gf_fin_fold8(r, a, i, n);
     } else {
         int64_t n2 = n / 2;
         n2 -= n2 % 8;
@@ -62,22 +74,15 @@ __attribute__((target("avx2")))
 static float gf_fin_pairwise_sum_avx2(const float* a, int64_t n)
 {
     if (n < 8) {
-        float res = 0.0f;
-        int64_t i;
-        for (i = 0; i < n; i++)
-            res += a[i];
-        return res;
+        return gf_fin_short_sum(a, n);
     } else if (n <= 128) {
-        float r[8], res;
+        float r[8];
         int64_t i;
         __m256 v = _mm256_loadu_ps(a);
         for (i = 8; i < n - (n % 8); i += 8)
             v = _mm256_add_ps(v, _mm256_loadu_ps(a + i));
         _mm256_storeu_ps(r, v);
-        res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
-        for (; i < n; i++)
-            res += a[i];
-        return res;
+        return gf_fin_fold8(r, a, i, n);
     } else {
         int64_t n2 = n / 2;
         n2 -= n2 % 8;
