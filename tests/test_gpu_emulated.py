@@ -132,3 +132,65 @@ def test_emulator_is_as_strict_as_cupy(tmp_path):
     nccl.NcclCommunicator(1, uid, 0)
     with pytest.raises(ValueError, match="explicit device ID"):
         cp.cuda.UnownedMemory(0, 0, None, -1)
+
+
+_FIBERS = r'''
+import sys
+import numpy as np
+sys.path.insert(0, "tests/cuda_emu")
+import fakecupy as cp
+src = r"""
+extern "C" __global__ void red(const float* x, float* out, int n) {
+    __shared__ float part[32];
+    int i = blockIdx.x * blockDim.x + threadIdx.x;
+    float v = i < n ? x[i] : 0.0f;
+    for (int off = 16; off; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float s = 0.0f;
+        for (unsigned w = 0; w < blockDim.x / 32; w++) s += part[w];
+        out[blockIdx.x] = s;
+    }
+}
+extern "C" __global__ void diverge(float* x) {
+    if (threadIdx.x < 16) x[0] = __shfl_sync(0xffffffffu, 1.0f, 0);
+}
+extern "C" __global__ void nobarrier(float* x) {
+    if (threadIdx.x < 32) return;
+    __syncthreads();
+}
+"""
+prog = cp.cuda.nvrtc.createProgram(src, "f.cu", [], [])
+cp.cuda.nvrtc.compileProgram(prog, ["-ftz=false", "-arch=sm_90"])
+open(sys.argv[2], "wb").write(cp.cuda.nvrtc.getCUBIN(prog))
+mod = cp.RawModule(path=sys.argv[2])
+if sys.argv[1] == "red":
+    x = cp.asarray(np.arange(1000, dtype=np.float32))
+    out = cp.zeros(4, cp.float32)
+    mod.get_function("red")((4,), (256,), (x, out, np.int32(1000)))
+    got = out.get()
+    want = [float(np.arange(1000, dtype=np.float64)[256 * b:256 * b + 256].sum()) for b in range(4)]
+    assert got.tolist() == want, (got, want)
+    print("fibers ok")
+else:
+    mod.get_function(sys.argv[1])((1,), (64,), (cp.zeros(1, cp.float32),))
+'''
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (the SIMT emulator needs it)")
+def test_emulator_fibers_exchange_values_and_abort_on_divergence(tmp_path):
+    """The emulator's own lanes (a bare stack switch on x86-64, ucontext elsewhere): a warp
+    shuffle reduction across 8 warps and 4 blocks with a barrier gives the exact sums, and
+    a shuffle only half a warp reaches, or a barrier some threads never reach, aborts with
+    the emulator's message instead of returning."""
+    script = tmp_path / "fibers.py"
+    script.write_text(_FIBERS)
+    run = lambda what: run_limited([sys.executable, str(script), what, str(tmp_path / f"{what}.cubin")],
+                                   timeout=120, env=dict(os.environ), cwd=ROOT)
+    code, out, timed_out = run("red")
+    assert code == 0 and "fibers ok" in out, out[-3000:]
+    code, out, timed_out = run("diverge")
+    assert code != 0 and "warp divergence at __shfl_sync" in out, out[-3000:]
+    code, out, timed_out = run("nobarrier")
+    assert code != 0 and "__syncthreads not reached by every thread" in out, out[-3000:]

@@ -3,23 +3,81 @@ dim3 threadIdx, blockIdx, gridDim, blockDim;
 enum { EMU_MAX_THREADS = 1024, EMU_STACK = 128 * 1024 };
 EmuLane emu_lanes[EMU_MAX_THREADS];
 int emu_cur;
-static ucontext_t emu_sched, emu_ctx[EMU_MAX_THREADS];
 static char* emu_stack[EMU_MAX_THREADS];    // allocated on first use, kept
 static emu_entry emu_fn;
 static void** emu_args;
 
-void emu_wait(int op, int arg, uint64_t val)
+#if defined(__x86_64__)
+// Fibers by a bare stack switch: swapcontext saves and restores the signal mask with a
+// system call on every switch, which was half the emulator's time (the kernel tests'
+// fibers switch at every warp intrinsic). emu_switch saves the callee-saved registers
+// on the current stack, stores the stack pointer in *from and continues on `to`'s.
+extern "C" void emu_switch(void** from, void* to);
+asm(".text\n"
+    ".p2align 4\n"
+    ".hidden emu_switch\n"
+    ".globl emu_switch\n"
+    ".type emu_switch,@function\n"
+    "emu_switch:\n"
+    "  pushq %rbp\n  pushq %rbx\n  pushq %r12\n  pushq %r13\n  pushq %r14\n  pushq %r15\n"
+    "  movq %rsp, (%rdi)\n"
+    "  movq %rsi, %rsp\n"
+    "  popq %r15\n  popq %r14\n  popq %r13\n  popq %r12\n  popq %rbx\n  popq %rbp\n"
+    "  ret\n"
+    ".size emu_switch, .-emu_switch\n");
+static void* emu_sched_sp;
+static void* emu_sp[EMU_MAX_THREADS];
+
+static void emu_to_sched() { emu_switch(&emu_sp[emu_cur], emu_sched_sp); }
+static void emu_to_lane(int t) { emu_switch(&emu_sched_sp, emu_sp[t]); }
+
+[[noreturn]] static void emu_fiber_start()
 {
-    EmuLane& L = emu_lanes[emu_cur];
-    L.state = 1; L.op = op; L.arg = arg; L.val = val;
-    swapcontext(&emu_ctx[emu_cur], &emu_sched);
+    emu_fn(emu_args);
+    emu_lanes[emu_cur].state = 2;
+    emu_to_sched();             // never resumed
+    std::abort();
 }
+
+// a fresh fiber on stack t: its first switch "returns" into emu_fiber_start with the
+// stack aligned as at a call (the six callee-saved registers below the entry address)
+static void emu_start_lane(unsigned t)
+{
+    uintptr_t top = (reinterpret_cast<uintptr_t>(emu_stack[t]) + EMU_STACK) & ~uintptr_t(15);
+    void** s = reinterpret_cast<void**>(top - 16);
+    s[1] = 0;                                   // a null return address above the entry
+    s[0] = reinterpret_cast<void*>(&emu_fiber_start);
+    for (int r = 1; r <= 6; r++) s[-r] = 0;     // rbp rbx r12 r13 r14 r15
+    emu_sp[t] = s - 6;
+}
+#else
+static ucontext_t emu_sched, emu_ctx[EMU_MAX_THREADS];
+
+static void emu_to_sched() { swapcontext(&emu_ctx[emu_cur], &emu_sched); }
+static void emu_to_lane(int t) { swapcontext(&emu_sched, &emu_ctx[t]); }
 
 static void emu_lane_main()
 {
     emu_fn(emu_args);
     emu_lanes[emu_cur].state = 2;
 }   // returns to uc_link = emu_sched
+
+static void emu_start_lane(unsigned t)
+{
+    getcontext(&emu_ctx[t]);
+    emu_ctx[t].uc_stack.ss_sp = emu_stack[t];
+    emu_ctx[t].uc_stack.ss_size = EMU_STACK;
+    emu_ctx[t].uc_link = &emu_sched;
+    makecontext(&emu_ctx[t], emu_lane_main, 0);
+}
+#endif
+
+void emu_wait(int op, int arg, uint64_t val)
+{
+    EmuLane& L = emu_lanes[emu_cur];
+    L.state = 1; L.op = op; L.arg = arg; L.val = val;
+    emu_to_sched();
+}
 
 static const char* emu_opname(int op)
 {
@@ -38,7 +96,7 @@ static void emu_run_warp(unsigned w)
             if (lanes[l].state != 0) continue;
             emu_cur = (int)(32 * w) + l;
             threadIdx.x = (unsigned)emu_cur; threadIdx.y = 0; threadIdx.z = 0;
-            swapcontext(&emu_sched, &emu_ctx[emu_cur]);
+            emu_to_lane(emu_cur);
         }
         int done = 0, atsync = 0, waiting = 0, op = -1, arg = 0;
         for (int l = 0; l < 32; l++) {
@@ -76,11 +134,7 @@ static void emu_run_block(unsigned nthreads)
 {
     for (unsigned t = 0; t < nthreads; t++) {
         if (!emu_stack[t]) emu_stack[t] = static_cast<char*>(std::malloc(EMU_STACK));
-        getcontext(&emu_ctx[t]);
-        emu_ctx[t].uc_stack.ss_sp = emu_stack[t];
-        emu_ctx[t].uc_stack.ss_size = EMU_STACK;
-        emu_ctx[t].uc_link = &emu_sched;
-        makecontext(&emu_ctx[t], emu_lane_main, 0);
+        emu_start_lane(t);
         emu_lanes[t].state = 0;
     }
     for (;;) {
