@@ -45,6 +45,7 @@ def test_files_present():
     assert sorted(f + ".cu" for f in gpu.FAMILIES) == CU_FILES
 
 
+@pytest.mark.one_leg             # nvcc on the .cu sources: numpy's version plays no part
 @pytest.mark.skipif(_nvcc() is None, reason="nvcc not found")
 def test_nvcc_compiles_every_kernel_sm80_sm90():
     nvcc = _nvcc()

@@ -20,6 +20,7 @@ from helpers import run_limited  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.one_leg     # the .cu kernels against gradfuse._core: numpy's version plays no part
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (the SIMT emulator needs it)")
 def test_gpu_kernels_on_simt_emulator():
     env = dict(os.environ)
