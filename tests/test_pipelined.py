@@ -36,6 +36,29 @@ def test_second_runs_in_order_on_one_other_thread():
     ov.close()
 
 
+def test_ahead_bounds_how_far_the_calling_thread_runs():
+    """ahead=1 (the double-buffered 16-bit steps): job i is compressed only once job i-2's
+    second stage has finished, so two buffers serve; the order stays the same."""
+    ov, log, lock = Overlap(), [], threading.Lock()
+
+    def first(job):
+        with lock:
+            log.append(("c", job.i))
+
+    def second(job):
+        time.sleep(0.03)          # the calling thread would run far ahead without the bound
+        with lock:
+            log.append(("x", job.i))
+    ov.run([Job(i) for i in range(8)], first, second, ahead=1)
+    for i in range(2, 8):
+        assert log.index(("x", i - 2)) < log.index(("c", i)), log
+    assert [i for s, i in log if s == "x"] == list(range(8))
+    log.clear()
+    ov.run([Job(i) for i in range(8)], first, second)          # unbounded: every job compressed first
+    assert [s for s, _ in log[:8]] == ["c"] * 8, log
+    ov.close()
+
+
 def test_an_exchange_error_drops_the_rest_and_waits():
     ov, ran, armed = Overlap(), [], [True]
 

@@ -109,6 +109,8 @@ class BucketJob:
         self.nonfinite_detail = ""
         self.velocity = None          # (x, u) once apply_velocity ran: what the compressor read, u
         self.stream = False           # decoded right after its exchange, in shared buffers (the step cannot fail)
+        self.slot = 0                 # streamed and pipelined (runtime.overlap): which of two shared buffers
+        self.split = False            # 2-rank pipelined 16-bit sum: the transfer alone in exchange()
 
     def apply_velocity(self, velocity):
         """DGC's momentum correction (``gradfuse.compressors.momentum``): update this rank's
@@ -221,10 +223,11 @@ class AllreduceJob(BucketJob):
 
     def compress(self):
         bk = self.bk
-        if self.stream:            # one bucket at a time: the plan's shared buffer
-            buf = self.scratch.get("u16")
+        if self.stream:            # one bucket at a time: the plan's shared buffer (two, pipelined)
+            key = "u16" if self.slot == 0 else "u16b"
+            buf = self.scratch.get(key)
             if buf is None or buf.size < self.n:
-                buf = self.scratch["u16"] = bk.empty_bytes(2 * max(self.n, 1)).view(np.uint16)
+                buf = self.scratch[key] = bk.empty_bytes(2 * max(self.n, 1)).view(np.uint16)
             buf = buf[:self.n]
         elif bk.device == "cpu":   # held until the step's verdict: this step's only (host)
             buf = bk.empty_bytes(2 * self.n).view(np.uint16)
@@ -250,8 +253,19 @@ class AllreduceJob(BucketJob):
         self.buf = buf
 
     def exchange(self):
+        if self.split:      # runtime.overlap, 2 ranks: the words cross on the exchange thread;
+            key = "r16" if self.slot == 0 else "r16b"       # decode() sums them
+            tmp = self.scratch.get(key)
+            if tmp is None or tmp.size < self.n:
+                tmp = self.scratch[key] = np.empty(max(self.n, 1), np.uint16)
+            self.peer16 = self.comm.swap16(self.buf, tmp[:self.n])
+            return
+        self.comm.allreduce16(self.buf, self.comp.fmt, native=self.native)
+        self.summed()
+
+    def summed(self):
+        """Count the bytes and check the 16-bit sum for inf/NaN (``buf`` holds the sum)."""
         bk, buf = self.bk, self.buf
-        self.comm.allreduce16(buf, self.comp.fmt, native=self.native)
         p = self.comm.size
         self.stats.bytes_sent += ring_bytes(2 * self.n, p)
         bad = self.comp.count_nonfinite(buf, bk)
@@ -262,5 +276,9 @@ class AllreduceJob(BucketJob):
                                      + (" (largest 65504; try predivide=True or bf16)" if self.comp.fmt == 1 else ""))
 
     def decode(self):
+        if self.split:      # the peer's words, received by exchange(): one float32 add, rounded once
+            self.comp.add16(self.peer16, self.buf)
+            self.peer16 = None
+            self.summed()
         self.write_sum([self.buf.reshape(1, -1)], self.divisor_after)
         self.commit()

@@ -63,6 +63,11 @@ class Cast16(Compressor):
         kernels(ctx).unpack_cast(self.fmt, rows[0].reshape(-1), dst, off, cnt, lo, hi, divisor)
         return True
 
+    def add16(self, peer, buf):
+        """``buf += peer`` for host 16-bit words of this format: each add in float32, rounded
+        once (the kernel the MPI user op calls; commutative, so either rank's order)."""
+        _core.sum16(self.fmt, peer.reshape(-1), buf.reshape(-1))
+
     def nonfinite_mask(self):
         """Exponent bits that are all ones for inf/NaN in this format."""
         return 0x7C00 if self.fmt == 1 else 0x7F80

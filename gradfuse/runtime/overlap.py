@@ -20,8 +20,12 @@ docs/benchmarks.md). The kernels and mpi4py release the GIL. This needs
 ``MPI.Query_thread() == MPI.THREAD_MULTIPLE`` (mpi4py's default); under a lower thread
 level, on one rank, on a GPU (the stages run on the backend's stream) or on a
 communicator other than MPI's, the step runs serially (``enabled``); so does a step of
-fp16/bf16 buckets alone (their 16-bit allreduce is a blocking call: measured slower
-pipelined).
+fp16/bf16 buckets alone from 3 ranks on (their 16-bit allreduce is a blocking call with a
+user-defined op: measured slower pipelined). On 2 ranks the exchange thread sums a 16-bit
+bucket by polled point-to-point calls instead (``PollingComm.allreduce16``: the bits of
+MPI's call), and a step of fp16/bf16 buckets that cannot fail (``stream``) also decodes
+each bucket there, right after its sum, so the casts of bucket i+1 overlap the transfer
+of bucket i.
 
 Errors: the first error of an exchange (a raise in the job, a failed collective) stops
 the exchange thread's part of the step: the buckets queued after it are dropped, not
@@ -57,6 +61,24 @@ def enabled(comm, device):
 #: allreduce, a blocking call that spins) runs serially: measured slower pipelined
 POLLED = frozenset({"allgather", "twophase", "sparse_allreduce"})
 POLL_S = 50e-6       # the exchange thread's sleep between two tests of its request (measured)
+TAG16 = 13           # the 2-rank 16-bit sum's messages on the data communicator
+
+
+def polled(job, comm):
+    """Whether the exchange thread runs ``job``'s collective as polled non-blocking calls:
+    the allgather/alltoall algorithms, and the 16-bit allreduce (fp16/bf16 on MPI, not
+    NCCL's native half sum) on 2 ranks on 2 hosts. On one host (shared memory) there is
+    no wire time to hide and the serial step was faster (124 against 138 ms on ResNet-50,
+    docs/benchmarks.md, "Pipelined buckets")."""
+    if job.algorithm in POLLED:
+        return True
+    return (job.algorithm == "allreduce" and comm.size == 2 and not getattr(job, "native", False)
+            and (getattr(comm, "local_size", 1) == 1 or not SERIAL16_ON_ONE_HOST))
+
+
+#: whether 16-bit allreduces between ranks of one host stay serial (tests turn it off to
+#: run the 2-host path on one machine)
+SERIAL16_ON_ONE_HOST = True
 
 
 def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
@@ -66,8 +88,8 @@ def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
     in ``POLLED`` (streamed steps never are), else one after the other."""
     for job in jobs:
         job.stream = stream
-    if (ov is None or stream or len(jobs) < 2 or not any(j.algorithm in POLLED for j in jobs)
-            or not enabled(comm, device)):
+    if (ov is None or len(jobs) < 2 or not enabled(comm, device)
+            or not (all(polled(j, comm) for j in jobs) if stream else any(polled(j, comm) for j in jobs))):
         for job in jobs:
             compress(job)
             exchange(job)
@@ -77,7 +99,16 @@ def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
     polling = PollingComm(comm)
     for job in jobs:
         job.comm = polling
-    ov.run(jobs, compress, exchange)
+    if not stream:
+        ov.run(jobs, compress, exchange)
+        return
+    for i, job in enumerate(jobs):      # double-buffered: the calling thread runs one bucket ahead
+        job.slot, job.split = i % 2, True
+    try:
+        ov.run(jobs, compress, exchange, ahead=1, after=decode)
+    finally:
+        for job in jobs:
+            job.split = False
 
 
 class PollingComm:
@@ -114,6 +145,43 @@ class PollingComm:
         self._wait(self._comm.data.Ialltoall([self._bytes(src), _byte()], [self._bytes(dst), _byte()]))
         return dst
 
+    def swap16(self, buf, tmp):
+        """2 ranks: send ``buf``'s 16-bit words to the peer and receive the peer's into
+        ``tmp`` (polled ``Isend``/``Irecv``); returns ``tmp``. The caller adds them."""
+        from ..comm.mpi import mpi
+        MPI, c = mpi(), self._comm
+        peer = 1 - c.rank
+        reqs = [c.data.Irecv([self._bytes(tmp), MPI.BYTE], source=peer, tag=TAG16),
+                c.data.Isend([self._bytes(buf), MPI.BYTE], dest=peer, tag=TAG16)]
+        while not MPI.Request.Testall(reqs):
+            time.sleep(self._poll)
+        return tmp
+
+    def allreduce16(self, buf, fmt, native=False):
+        """``comm.allreduce16``; on 2 ranks polled: each rank sends its 16-bit words and
+        receives the peer's (``Isend``/``Irecv``, tested every ``POLL_S``), then adds them
+        into ``buf`` with the sum16 kernel, one float32 add rounded once per element, as
+        MPI's user-op allreduce does on 2 ranks (a + b == b + a: the same bits on both
+        ranks, and the blocking call's bits)."""
+        c = self._comm
+        if native or c.size != 2:
+            return c.allreduce16(buf, fmt, native=native)
+        from .. import _core
+        flat = self._bytes(buf).view(np.uint16)
+        _core.sum16(fmt, self.swap16(flat, _scratch16(flat.size)), flat)
+        return buf
+
+
+_local = threading.local()
+
+
+def _scratch16(n):
+    """The calling (exchange) thread's receive buffer of at least ``n`` 16-bit words, kept."""
+    buf = getattr(_local, "buf16", None)
+    if buf is None or buf.size < n:
+        buf = _local.buf16 = np.empty(max(n, 1), np.uint16)
+    return buf[:n]
+
 
 def _byte():
     from ..comm.mpi import mpi
@@ -141,8 +209,11 @@ class Overlap:
 
     ``run(jobs, first, second)`` runs ``first(job)`` on the calling thread and then
     ``second(job)`` on the exchange thread, for each job in order (the calling thread
-    runs ahead: each job's buffers are its own). Returns when every ``second`` has run;
-    raises the first error (the calling thread's own first).
+    runs ahead: each job's buffers are its own; with ``ahead=k``, at most k jobs ahead of
+    the exchange thread's, so k + 1 buffers serve). ``after(job)``, when given, runs on the
+    calling thread once the job's ``second`` has, in job order, between two ``first`` calls
+    and at the end (none after an error). Returns when every ``second`` (and ``after``)
+    has run; raises the first error (the calling thread's own first).
     """
 
     NAME = "gradfuse-exchange"     # the threads' name (the watchdog prints their stacks)
@@ -184,14 +255,18 @@ class Overlap:
                 batch.cond.notify_all()
             del batch, fn, job, error
 
-    def run(self, jobs, first, second):
+    def run(self, jobs, first, second, ahead=None, after=None):
         """See the class docstring."""
         if self._thread is None:
             self._start()
-        batch, sent, mine = _Batch(), 0, None
+        batch, sent, mine, ended = _Batch(), 0, None, 0
         self.runs += 1
         try:
             for job in jobs:
+                if ahead is not None and sent > ahead:
+                    batch.wait_done(sent - ahead)      # job sent - ahead - 1 has left its buffer
+                if after is not None:
+                    ended = self._after(batch, jobs, ended, batch.done, after)
                 if batch.error is not None:
                     break
                 first(job)
@@ -205,6 +280,16 @@ class Overlap:
         if batch.error is not None:
             error, batch.error = batch.error, None
             raise error
+        if after is not None:
+            self._after(batch, jobs, ended, sent, after)
+
+    @staticmethod
+    def _after(batch, jobs, ended, upto, after):
+        """Run ``after`` on the calling thread for jobs[ended:upto] (their ``second`` ran)."""
+        while ended < upto and batch.error is None:
+            after(jobs[ended])
+            ended += 1
+        return ended
 
     def close(self):
         """Stop the exchange thread (a later ``run`` starts a new one)."""

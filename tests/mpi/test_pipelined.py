@@ -37,7 +37,7 @@ CASES = [
     ("randomk", {"ratio": 0.1, "algorithm": "allreduce"}),
     ({"t1": "fp16", "t6": "fp16", "*": "1bit"}, {}),      # 16-bit allreduces on the exchange thread too
 ]
-SERIAL = ("none", "fp16", "bf16")      # no job (none), or 16-bit allreduces alone: run serially
+SERIAL = ("none", "fp16", "bf16")      # no job (none), or 16-bit allreduces alone on one host: serial
 
 
 def grads_for(rank, step, ints=False):
@@ -87,6 +87,39 @@ def test_pipelined_steps_are_the_serial_bits(world, name, opts):
     # the same on every rank
     got = world.allgather(np.concatenate([np.asarray(ra[k]).view(np.uint8).ravel() for k in sorted(ra)]).tobytes())
     assert len(set(got)) == 1
+
+
+@pytest.mark.parametrize("name,opts", [("fp16", {}), ("fp16", {"predivide": True}), ("bf16", {}),
+                                       ({"t1": "fp16", "t6": "bf16", "*": "none"}, {})])
+def test_16bit_steps_between_hosts_are_the_serial_bits(world, monkeypatch, name, opts):
+    """Between 2 hosts (here: one host's ranks, with the one-host rule turned off) a step of
+    16-bit buckets runs pipelined: each bucket's words cross on the exchange thread while
+    the next bucket is cast, and the communication thread adds and decodes them. The bits
+    are the serial step's (MPI's user-op allreduce: one float32 add, rounded once); from
+    3 ranks such a step stays serial."""
+    from gradfuse.runtime import overlap
+    monkeypatch.setattr(overlap, "SERIAL16_ON_ONE_HOST", False)
+    rank = world.Get_rank()
+    a, b = pair(name, opts)
+    for step in range(4):
+        ra, rb = a.allreduce(grads_for(rank, step)), b.allreduce(grads_for(rank, step))
+        assert same(ra, rb), (name, opts, step)
+    assert a._cfg.overlap.runs == (4 if world.Get_size() == 2 else 0)
+    assert a.stats.as_dict() == b.stats.as_dict()
+    got = world.allgather(np.concatenate([np.asarray(ra[k]).view(np.uint8).ravel() for k in sorted(ra)]).tobytes())
+    assert len(set(got)) == 1
+    # an inf on one rank: not streamed (decoded after the verdict), refused alike
+    big = grads_for(rank, 9)
+    if rank == world.Get_size() - 1:
+        big["t6"][11] = np.inf
+    errors = []
+    for pipe in (a, b):
+        with pytest.raises(NonFiniteError, match="NaN/Inf in the step's gradients") as exc:
+            pipe.allreduce(big)
+        errors.append(str(exc.value))
+    assert errors[0] == errors[1]
+    ra, rb = a.allreduce(grads_for(rank, 10)), b.allreduce(grads_for(rank, 10))     # and they go on
+    assert same(ra, rb)
 
 
 @pytest.mark.parametrize("name,opts", [("1bit", {"algorithm": "twophase"}), ("topk", {"ratio": 0.1}),
