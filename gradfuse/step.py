@@ -188,7 +188,7 @@ class Step:
             if any(j.state.in_place for j in jobs.values()) and not inputs_finite(jobs, comm):
                 for job in jobs.values():
                     job.state.spare()     # a step that may be refused keeps its residuals: spares
-            stream = halves_cannot_fail(jobs, comm)     # fp16/bf16: bucket by bucket, one buffer
+            stream = lambda: halves_cannot_fail(jobs, comm)     # noqa: E731 (fp16/bf16: bucket by bucket)
             _overlap.run_jobs(cfg.overlap, comm, self.entry.bk.device, list(jobs.values()), stream,
                               compress, exchange, decode)     # pipelined: gradfuse.runtime.overlap
             if jobs:

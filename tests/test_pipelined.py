@@ -59,6 +59,34 @@ def test_ahead_bounds_how_far_the_calling_thread_runs():
     ov.close()
 
 
+def test_after_runs_on_the_calling_thread_in_order_once_second_has():
+    ov, log, lock, me = Overlap(), [], threading.Lock(), threading.get_ident()
+
+    def second(job):
+        time.sleep(0.005)
+        with lock:
+            log.append(("x", job.i))
+
+    def after(job):
+        assert threading.get_ident() == me
+        with lock:
+            log.append(("a", job.i))
+    ov.run([Job(i) for i in range(6)], lambda job: None, second, ahead=1, after=after)
+    assert [i for s, i in log if s == "a"] == list(range(6))
+    for i in range(6):
+        assert log.index(("x", i)) < log.index(("a", i))
+    log.clear()
+
+    def bad(job):
+        second(job)
+        if job.i == 2:
+            raise ValueError("bucket 2")
+    with pytest.raises(ValueError, match="bucket 2"):
+        ov.run([Job(i) for i in range(6)], lambda job: None, bad, ahead=1, after=after)
+    assert ("a", 2) not in log and ("x", 4) not in log       # nothing after the error, no later bucket
+    ov.close()
+
+
 def test_an_exchange_error_drops_the_rest_and_waits():
     ov, ran, armed = Overlap(), [], [True]
 

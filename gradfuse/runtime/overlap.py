@@ -83,13 +83,18 @@ SERIAL16_ON_ONE_HOST = True
 
 def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
     """Compress and exchange the step's compressed ``jobs`` (a list, in bucket order), and
-    decode each at once when ``stream`` (fp16/bf16 buckets that cannot fail): pipelined on
-    ``ov`` (an ``Overlap``, or None for serial) where ``enabled`` and some job's algorithm is
-    in ``POLLED`` (streamed steps never are), else one after the other."""
+    decode each at once when the step streams (fp16/bf16 buckets that cannot fail; ``stream``
+    is that verdict, or a function that returns it, called once): pipelined on ``ov`` (an
+    ``Overlap``, or None for serial) where ``enabled`` and some job's collective is
+    ``polled`` (a streamed step: every job's), else one after the other."""
+    on = ov is not None and len(jobs) >= 2 and enabled(comm, device)
+    if on and callable(stream) and all(j.algorithm == "allreduce" and polled(j, comm) for j in jobs):
+        return _run16(ov, comm, jobs, stream, compress, exchange, decode)
+    if callable(stream):
+        stream = stream()
     for job in jobs:
         job.stream = stream
-    if (ov is None or len(jobs) < 2 or not enabled(comm, device)
-            or not (all(polled(j, comm) for j in jobs) if stream else any(polled(j, comm) for j in jobs))):
+    if not on or not (all(polled(j, comm) for j in jobs) if stream else any(polled(j, comm) for j in jobs)):
         for job in jobs:
             compress(job)
             exchange(job)
@@ -99,16 +104,56 @@ def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
     polling = PollingComm(comm)
     for job in jobs:
         job.comm = polling
-    if not stream:
-        ov.run(jobs, compress, exchange)
-        return
+    ov.run(jobs, compress, exchange)
+
+
+class _Unstreamed(Exception):
+    """The step's check said its 16-bit buckets may fail: stop the streamed hand-over."""
+
+
+def _run16(ov, comm, jobs, can_stream, compress, exchange, decode):
+    """A step of 16-bit buckets alone on 2 ranks on 2 hosts. Bucket 0 is cast and handed to
+    the exchange thread first, and the step's check (``can_stream``: max |x| over every
+    input, one max-allreduce) runs while its words cross. Streamed, the communication
+    thread then casts bucket i+1 while bucket i crosses, and adds and decodes each bucket
+    after its transfer, in two shared buffers (``Overlap.run(ahead=1)``). If the check
+    says a bucket may fail, bucket 0 is added at once and keeps its buffer, and the other
+    buckets run as a step that is not streamed: each its own buffer, pipelined, decoded
+    after the step's verdict. The same bits either way (the serial step's)."""
+    polling = PollingComm(comm)
     for i, job in enumerate(jobs):      # double-buffered: the calling thread runs one bucket ahead
-        job.slot, job.split = i % 2, True
+        job.comm, job.stream, job.slot, job.split = polling, True, i % 2, True
+    checked = []
+
+    def check():
+        if not checked:
+            checked.append(bool(can_stream()))
+        if not checked[0]:
+            raise _Unstreamed
+
+    def first(job):
+        if job is not jobs[0]:
+            check()
+        compress(job)
+
+    def after(job):
+        check()
+        decode(job)
     try:
-        ov.run(jobs, compress, exchange, ahead=1, after=decode)
+        ov.run(jobs, first, exchange, ahead=1, after=after)
+        return
+    except _Unstreamed:
+        pass
     finally:
         for job in jobs:
             job.split = False
+    head, rest = jobs[0], jobs[1:]
+    head.comp.add16(head.peer16, head.buf)      # bucket 0 crossed: its sum, now
+    head.peer16 = None
+    head.summed()
+    for job in jobs:
+        job.stream = False
+    ov.run(rest, compress, exchange)
 
 
 class PollingComm:
@@ -275,7 +320,7 @@ class Overlap:
         except BaseException as exc:
             mine = exc
         batch.wait_done(sent)
-        if mine is not None:
+        if mine is not None and not (isinstance(mine, _Unstreamed) and batch.error is not None):
             raise mine
         if batch.error is not None:
             error, batch.error = batch.error, None
