@@ -14,7 +14,7 @@ TMP="$(mktemp -d "${TMPDIR:-/tmp}/gradfuse-debug.XXXXXX")"
 trap 'rm -rf "$TMP"' EXIT
 # copy the sources only (no built .so, no generated .c: cythonize must regenerate them)
 mkdir -p "$TMP/gradfuse"
-(cd "$ROOT" && tar cf - --exclude='*.so' --exclude='_core.c' --exclude='__pycache__' \
+(cd "$ROOT" && tar cf - --exclude='*.so' --exclude='_core.c' --exclude='_engine.cpp' --exclude='__pycache__' \
     gradfuse tests setup.py pyproject.toml) | (cd "$TMP" && tar xf -)
 cd "$TMP"
 t0=$(date +%s)

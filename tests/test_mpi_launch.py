@@ -23,8 +23,9 @@ def _mpi_env():
     return env
 
 
-@pytest.mark.parametrize("ranks,target", [(2, "tests/mpi"), (3, "tests/mpi"),
-                                          (1, "tests/mpi/test_battery.py"), (4, "tests/mpi/test_battery.py")])
+@pytest.mark.parametrize("ranks,target", [(2, "tests/mpi"), pytest.param(3, "tests/mpi", marks=pytest.mark.one_leg),
+                                          (1, "tests/mpi/test_battery.py"),
+                                          pytest.param(4, "tests/mpi/test_battery.py", marks=pytest.mark.one_leg)])
 def test_multi_rank_suite(ranks, target):
     """All of tests/mpi on 2 and 3 ranks; the reliability battery also on 1 and 4."""
     mpiexec = mpiexec_path()

@@ -20,7 +20,7 @@ from helpers import run_limited
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "tests", "scripts", "die.py")
 STALL_TIMEOUT_S = 5
-pytestmark = pytest.mark.mpi
+pytestmark = [pytest.mark.mpi, pytest.mark.one_leg]     # process deaths: numpy's version plays no part
 
 
 def _job_processes(marker):
