@@ -220,6 +220,7 @@ class AllreduceJob(BucketJob):
     def __init__(self, task):
         super().__init__(task)
         self.native = self.comp.native_sum(self.comm)
+        self.peer16 = None         # split (runtime.overlap): the peer's words, until decode() adds them
 
     def compress(self):
         bk = self.bk
