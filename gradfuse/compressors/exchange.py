@@ -225,11 +225,7 @@ class AllreduceJob(BucketJob):
     def compress(self):
         bk = self.bk
         if self.stream:            # one bucket at a time: the plan's shared buffer (two, pipelined)
-            key = "u16" if self.slot == 0 else "u16b"
-            buf = self.scratch.get(key)
-            if buf is None or buf.size < self.n:
-                buf = self.scratch[key] = bk.empty_bytes(2 * max(self.n, 1)).view(np.uint16)
-            buf = buf[:self.n]
+            buf = self.slot_buffer("u16", lambda n: bk.empty_bytes(2 * n).view(np.uint16))
         elif bk.device == "cpu":   # held until the step's verdict: this step's only (host)
             buf = bk.empty_bytes(2 * self.n).view(np.uint16)
         else:
@@ -253,15 +249,34 @@ class AllreduceJob(BucketJob):
         self.divisor_after = 1.0 if prescale != 1.0 else self.divisor
         self.buf = buf
 
+    def slot_buffer(self, name, alloc):
+        """The plan's shared 16-bit buffer ``name`` of this job's slot (``slot`` 0 or 1: two
+        of each serve a double-buffered step), grown to ``n`` words, ``alloc(n)`` makes one."""
+        key = name if self.slot == 0 else name + "b"
+        buf = self.scratch.get(key)
+        if buf is None or buf.size < self.n:
+            buf = self.scratch[key] = alloc(max(self.n, 1))
+        return buf[:self.n]
+
     def exchange(self):
-        if self.split:      # runtime.overlap, 2 ranks: the words cross on the exchange thread;
-            key = "r16" if self.slot == 0 else "r16b"       # decode() sums them
-            tmp = self.scratch.get(key)
-            if tmp is None or tmp.size < self.n:
-                tmp = self.scratch[key] = np.empty(max(self.n, 1), np.uint16)
-            self.peer16 = self.comm.swap16(self.buf, tmp[:self.n])
+        if (self.split or getattr(self.comm, "swaps16", False)) and not self.native:
+            # runtime.overlap, 2 hosts: the words cross on the exchange thread, polled;
+            # split, decode() adds them on the communication thread, else they are added here
+            tmp = self.slot_buffer("r16", lambda n: np.empty(n, np.uint16))
+            self.peer16 = self.comm.swap16(self.buf, tmp)
+            if self.split:
+                return
+            self.add_peer()
             return
         self.comm.allreduce16(self.buf, self.comp.fmt, native=self.native)
+        self.summed()
+
+    def add_peer(self):
+        """The peer's words (``peer16``, from ``comm.swap16``) into ``buf``: one float32 add
+        rounded once per element, the bits of MPI's user-op allreduce on 2 ranks; then as
+        after any 16-bit sum (``summed``)."""
+        self.comp.add16(self.peer16, self.buf)
+        self.peer16 = None
         self.summed()
 
     def summed(self):
@@ -277,9 +292,7 @@ class AllreduceJob(BucketJob):
                                      + (" (largest 65504; try predivide=True or bf16)" if self.comp.fmt == 1 else ""))
 
     def decode(self):
-        if self.split:      # the peer's words, received by exchange(): one float32 add, rounded once
-            self.comp.add16(self.peer16, self.buf)
-            self.peer16 = None
-            self.summed()
+        if self.split:      # the peer's words, received by exchange()
+            self.add_peer()
         self.write_sum([self.buf.reshape(1, -1)], self.divisor_after)
         self.commit()

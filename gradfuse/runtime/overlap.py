@@ -20,12 +20,12 @@ docs/benchmarks.md). The kernels and mpi4py release the GIL. This needs
 ``MPI.Query_thread() == MPI.THREAD_MULTIPLE`` (mpi4py's default); under a lower thread
 level, on one rank, on a GPU (the stages run on the backend's stream) or on a
 communicator other than MPI's, the step runs serially (``enabled``); so does a step of
-fp16/bf16 buckets alone from 3 ranks on (their 16-bit allreduce is a blocking call with a
-user-defined op: measured slower pipelined). On 2 ranks the exchange thread sums a 16-bit
-bucket by polled point-to-point calls instead (``PollingComm.allreduce16``: the bits of
-MPI's call), and a step of fp16/bf16 buckets that cannot fail (``stream``) also decodes
-each bucket there, right after its sum, so the casts of bucket i+1 overlap the transfer
-of bucket i.
+fp16/bf16 buckets alone from 3 ranks on or on one host (their 16-bit allreduce is a
+blocking call with a user-defined op: measured slower pipelined). Between 2 ranks on 2
+hosts (``swaps16``) the exchange thread swaps a 16-bit bucket's words with the peer by
+polled point-to-point calls instead (``PollingComm.swap16``; added, they are the bits of
+MPI's call), and a step of fp16/bf16 buckets alone runs pipelined (``_run16``): the
+communication thread casts bucket i+1 while bucket i crosses, then adds and decodes it.
 
 Errors: the first error of an exchange (a raise in the job, a failed collective) stops
 the exchange thread's part of the step: the buckets queued after it are dropped, not
@@ -57,8 +57,8 @@ def enabled(comm, device):
 
 
 #: the algorithms whose collectives (allgather, alltoall) the exchange thread runs as
-#: non-blocking calls it polls; a step with none of them (fp16/bf16 alone: the 16-bit
-#: allreduce, a blocking call that spins) runs serially: measured slower pipelined
+#: non-blocking calls it polls (and the 16-bit allreduce where ``swaps16``); a step with
+#: none of them runs serially: blocking calls that spin measured slower pipelined
 POLLED = frozenset({"allgather", "twophase", "sparse_allreduce"})
 POLL_S = 50e-6       # the exchange thread's sleep between two tests of its request (measured)
 TAG16 = 13           # the 2-rank 16-bit sum's messages on the data communicator
@@ -72,8 +72,13 @@ def polled(job, comm):
     docs/benchmarks.md, "Pipelined buckets")."""
     if job.algorithm in POLLED:
         return True
-    return (job.algorithm == "allreduce" and comm.size == 2 and not getattr(job, "native", False)
-            and (getattr(comm, "local_size", 1) == 1 or not SERIAL16_ON_ONE_HOST))
+    return job.algorithm == "allreduce" and not getattr(job, "native", False) and swaps16(comm)
+
+
+def swaps16(comm):
+    """Whether 16-bit sums on ``comm`` go as a polled swap of the words (``swap16``): 2 ranks
+    on 2 hosts (``local_size`` 1)."""
+    return comm.size == 2 and (getattr(comm, "local_size", 1) == 1 or not SERIAL16_ON_ONE_HOST)
 
 
 #: whether 16-bit allreduces between ranks of one host stay serial (tests turn it off to
@@ -147,13 +152,10 @@ def _run16(ov, comm, jobs, can_stream, compress, exchange, decode):
     finally:
         for job in jobs:
             job.split = False
-    head, rest = jobs[0], jobs[1:]
-    head.comp.add16(head.peer16, head.buf)      # bucket 0 crossed: its sum, now
-    head.peer16 = None
-    head.summed()
+    jobs[0].add_peer()          # bucket 0 crossed: its sum, now, in the buffer it keeps
     for job in jobs:
         job.stream = False
-    ov.run(rest, compress, exchange)
+    ov.run(jobs[1:], compress, exchange)
 
 
 class PollingComm:
@@ -161,11 +163,13 @@ class PollingComm:
     non-blocking calls, waited for by testing the request every ``POLL_S`` seconds, so
     that the thread sleeps instead of spinning in MPI's progress loop and leaves the core
     to the next bucket's compression (with 2 ranks per 2 cores, a spinning wait took it:
-    docs/benchmarks.md, "Pipelined buckets"). The same bytes move, so the results are the
-    blocking calls' bits. Everything else goes to ``comm`` itself."""
+    docs/benchmarks.md, "Pipelined buckets"), and, where ``swaps16``, ``swap16`` for the
+    16-bit sums. The same bytes move, so the results are the blocking calls' bits.
+    Everything else goes to ``comm`` itself."""
 
     def __init__(self, comm, poll_s=POLL_S):
         self._comm, self._poll = comm, poll_s
+        self.swaps16 = swaps16(comm)        # AllreduceJob.exchange: swap16, not allreduce16
 
     def __getattr__(self, name):
         return getattr(self._comm, name)
@@ -201,31 +205,6 @@ class PollingComm:
         while not MPI.Request.Testall(reqs):
             time.sleep(self._poll)
         return tmp
-
-    def allreduce16(self, buf, fmt, native=False):
-        """``comm.allreduce16``; on 2 ranks polled: each rank sends its 16-bit words and
-        receives the peer's (``Isend``/``Irecv``, tested every ``POLL_S``), then adds them
-        into ``buf`` with the sum16 kernel, one float32 add rounded once per element, as
-        MPI's user-op allreduce does on 2 ranks (a + b == b + a: the same bits on both
-        ranks, and the blocking call's bits)."""
-        c = self._comm
-        if native or c.size != 2:
-            return c.allreduce16(buf, fmt, native=native)
-        from .. import _core
-        flat = self._bytes(buf).view(np.uint16)
-        _core.sum16(fmt, self.swap16(flat, _scratch16(flat.size)), flat)
-        return buf
-
-
-_local = threading.local()
-
-
-def _scratch16(n):
-    """The calling (exchange) thread's receive buffer of at least ``n`` 16-bit words, kept."""
-    buf = getattr(_local, "buf16", None)
-    if buf is None or buf.size < n:
-        buf = _local.buf16 = np.empty(max(n, 1), np.uint16)
-    return buf[:n]
 
 
 def _byte():
