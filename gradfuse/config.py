@@ -125,6 +125,13 @@ def pipeline_buckets(value=None):
     return bool(value)
 
 
+def cma():
+    """Whether the ranks of one host may sum through each other's memory (cross-memory
+    attach, ``gradfuse.comm.cma``): GRADFUSE_CMA (0 or 1), default 1. It is used only
+    where every rank of the communicator is on one host and the OS allows it."""
+    return env_bool("GRADFUSE_CMA", True)
+
+
 def stall_warning_s():
     """Seconds before a waiting collective warns: GRADFUSE_STALL_WARNING_S, else
     HOROVOD_STALL_CHECK_TIME_SECONDS, else 60."""
@@ -177,5 +184,6 @@ def validate():
     exit_timeout_s()
     env_bool("GRADFUSE_HOOKS", True)
     pipeline_buckets()
+    cma()
     timeline_path()
     horovod_timeline()

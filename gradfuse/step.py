@@ -14,7 +14,9 @@ bucket (or of the step), so that later work can reorder and pipeline them:
    step raises ``NonFiniteError`` on every rank before anything is written.
 4. Plain buckets: ``pack(step, b)``, ``reduce(step, comm, b)`` (the MPI library's or
    NCCL's own allreduce, in place), ``unpack(step, b, ...)`` (dividing when averaging).
-   Tensors of ``direct`` buckets are reduced where they lie (``reduce_direct``).
+   Tensors of ``direct`` buckets are reduced where they lie (``reduce_direct``). Between
+   the ranks of one host, all plain buckets' tensors are summed where they lie in one
+   call instead (``reduce_rows``: no pack, no unpack; ``gradfuse.comm.cma``).
 5. ``decode(job)``: decode-sum-divide into the outputs, and commit the new residuals.
 
 On a GPU the stages run on the backend's stream, after an event on the caller's stream; it syncs at the end.
@@ -24,11 +26,11 @@ import numpy as np
 from . import dtypes as _dt
 from .compressors import momentum as _momentum
 from .compressors.base import BucketContext
-from .compressors.jobs import (BucketTask, halves_cannot_fail, inputs_finite, job_class, pays, ring_bytes,
-                               twophase_chunk)
+from .compressors.jobs import BucketTask, halves_cannot_fail, inputs_finite, job_class, pays, ring_bytes
 from .errors import NonFiniteError
 from .fusion.staging import F16, staging
 from .fusion.tables import as_ndarray
+from .plain import bucket_names, pack, reduce, reduce_direct, reduce_rows, rows_buckets, uncompressed, unpack
 from .runtime import overlap as _overlap, timeline as _tl
 from .runtime.control import Request
 
@@ -197,10 +199,15 @@ class Step:
                 return skip(self, comm)
         # one rank, in place: the sum (and the mean) of one tensor is the tensor itself
         plain = () if comm.size == 1 and self.inplace and not vel else plan.buckets
+        rows = rows_buckets(self, comm, plain, jobs, vel)
+        if rows:
+            reduce_rows(self, comm, rows, divide, size)
         for b in plain:
             if b.index in jobs:
                 continue
-            if vel and b.code in COMPRESSIBLE:
+            if b.index in rows:
+                pass                      # summed where they lie, above
+            elif vel and b.code in COMPRESSIBLE:
                 plain_velocity(self, comm, b, vel, divide, size)
             elif b.index in self.unpaid:
                 uncompressed(self, comm, b, divide, size)
@@ -234,51 +241,9 @@ def negotiate(step):
         cfg.ctx.coordinator.negotiate(step.entry.request, cfg.step_tag())
 
 
-def bucket_names(step, b):
-    """The names of bucket ``b``'s tensors (built only while a timeline records)."""
-    return [step.entry.names[int(i)] for i in step.entry.plan.order[b.lo:b.hi]]
-
-
 def _job_stage(stage, job):      # the timeline span of a compressed bucket's stage
     return _tl.stage(stage, "allreduce", getattr(job, "names", ()), bucket=job.bucket.index,
                      bytes=job.bucket.nbytes, algorithm=job.algorithm)
-
-
-def pack(step, b):
-    """Copy bucket ``b``'s tensors into its fusion buffer (one kernel call)."""
-    t = step.tables
-    with _tl.stage("pack", "allreduce", lambda: bucket_names(step, b), bucket=b.index, bytes=b.nbytes):
-        step.entry.bk.pack(b.buffer, step.src, t.offsets, t.nbytes, b.lo, b.hi)
-
-
-def reduce(step, comm, b):
-    """Sum bucket ``b``'s fusion buffer across ranks, in place."""
-    with _tl.stage("exchange", "allreduce", lambda: bucket_names(step, b), bucket=b.index, bytes=b.nbytes):
-        comm.allreduce_inplace(b.view())
-
-
-def unpack(step, b, divide, size):
-    """Copy the summed buffer back into the outputs, dividing by ``size`` when averaging."""
-    t, bk = step.tables, step.entry.bk
-    with _tl.stage("unpack", "allreduce", lambda: bucket_names(step, b), bucket=b.index, bytes=b.nbytes):
-        if divide:
-            outs = () if bk.device == "cpu" else [step.out_objs[int(i)] for i in step.entry.plan.order[b.lo:b.hi]]
-            bk.unpack_div(b.buffer, step.dst, t.offsets, t.nbytes, b.lo, b.hi, b.code, size, outs)
-        else:
-            bk.unpack(b.buffer, step.dst, t.offsets, t.nbytes, b.lo, b.hi)
-
-
-def reduce_direct(step, comm, b, divide, size):
-    """Sum the one large tensor of a ``direct`` bucket where it lies (no packing)."""
-    i = int(step.entry.plan.order[b.lo])
-    with _tl.stage("exchange", "allreduce", (step.entry.names[i],), bucket=b.index, bytes=b.nbytes):
-        if step.src[b.lo] == step.dst[b.lo]:
-            comm.allreduce_inplace(step.out_objs[i])
-        else:
-            comm.allreduce(step.in_objs[i], step.out_objs[i])
-    if divide:
-        with _tl.stage("unpack", "allreduce", (step.entry.names[i],), bucket=b.index, bytes=b.nbytes):
-            step.entry.bk.div_inplace(step.out_objs[i], step.dst[b.lo], step.entry.plan.counts[b.lo], b.code, size)
 
 
 def compressed_jobs(step, comm, divisor):
@@ -324,47 +289,6 @@ def compressed_jobs(step, comm, divisor):
         jobs[b.index] = job(task)
         jobs[b.index].names = lambda b=b: bucket_names(step, b)     # the timeline's (built when recording)
     return jobs
-
-
-def uncompressed(step, comm, b, divide, size):
-    """A float32 bucket that ``uncompressed_if_faster`` runs uncompressed. A residual it kept
-    while compressed (or restored from a checkpoint) joins this rank's addend and is
-    dropped, so nothing of it is lost: the sum is that of ``g + e`` over the ranks. A
-    two-phase server residual (in averaged units) joins as ``divisor x e_s`` on the rank
-    that served that chunk. Runs after ``check_finite``, so a skipped step keeps them."""
-    cfg, entry, bk = step.cfg, step.entry, step.entry.bk
-    taken = cfg.state.take_residual((entry.state_key, b.index), bk)
-    if taken is None:
-        if b.direct:
-            reduce_direct(step, comm, b, divide, size)
-        else:
-            pack(step, b)
-            reduce(step, comm, b)
-            unpack(step, b, divide, size)
-        return
-    e, es = taken
-
-    def add_residuals(flat):           # (g + e), then + divisor x e_s on the server's chunk
-        flat += e
-        if es.size:
-            counts = tuple(step.tables.counts[b.lo:b.hi].tolist())
-            e0, e1 = twophase_chunk(counts, comm.size, cfg.compressor.compressors[b.group].block, comm.rank)
-            flat[e0:e1] += es * bk.xp.float32(size if divide else 1.0)
-
-    if b.direct:
-        i = int(entry.plan.order[b.lo])
-        out = step.out_objs[i]
-        if step.src[b.lo] != step.dst[b.lo]:
-            out[...] = step.in_objs[i]
-        add_residuals(out.reshape(-1))
-        comm.allreduce_inplace(out)
-        if divide:
-            bk.div_inplace(out, step.dst[b.lo], entry.plan.counts[b.lo], b.code, size)
-        return
-    pack(step, b)
-    add_residuals(bk.xp.asarray(b.buffer).view(np.float32))
-    reduce(step, comm, b)
-    unpack(step, b, divide, size)
 
 
 def velocity_of(step):

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gradfuse
-from gradfuse import step as _step
+from gradfuse import plain as _plain, step as _step
 from gradfuse.runtime import timeline
 from timeline_checks import assert_nested, load_trace, spans, stage_counts, track_names
 
@@ -137,6 +137,7 @@ def test_nothing_is_built_or_kept_while_off(monkeypatch):
     def boom(*a):
         raise AssertionError("bucket names built while no timeline records")
     monkeypatch.setattr(_step, "bucket_names", boom)
+    monkeypatch.setattr(_plain, "bucket_names", boom)
     for compress in ("none", "1bit", "fp16"):
         gradfuse.Pipeline(compress=compress, fusion_threshold=8192).allreduce_(_grads())
     assert timeline._state["records"] == []

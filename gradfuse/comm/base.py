@@ -48,6 +48,20 @@ class Communicator(ABC):
     #: half-precision sum); the others always run the exact one
     native_sum16 = False
 
+    #: whether ``allreduce_rows`` sums tensors where they lie (the MPI communicator between
+    #: the ranks of one host: ``gradfuse.comm.cma``)
+    reduces_rows = False
+    #: the least bytes of a call worth ``allreduce_rows``
+    rows_min_bytes = 0
+
+    def allreduce_rows(self, groups, divisor=None):
+        """Sum tensors where they lie, with no fusion buffer: ``groups`` is
+        ``[(code, src, dst, counts), ...]``, one per dtype code, each an int64 array of
+        this rank's source addresses, destination addresses (the same for in place) and
+        element counts, row by row, the same rows on every rank. Divides by ``divisor``
+        when it is not None (float groups only)."""
+        raise NotImplementedError(f"{self.kind} communicator has no allreduce_rows")
+
     def allreduce16(self, buf, fmt, native=False):
         """Sum a uint16 buffer of fp16 (fmt 1) or bf16 (fmt 2) values in place, each
         pairwise add in float32 rounded once (the ``sum16`` kernel as an MPI user op).

@@ -9,7 +9,9 @@ once to float16).
 """
 import numpy as np
 
-from .. import _core
+from .. import _core, config
+from .. import dtypes as _dt
+from . import cma as _cma
 from .base import Communicator
 
 _MPI = None
@@ -130,6 +132,10 @@ class MPICommunicator(Communicator):
 
     ``local_rank``/``local_size`` come from splitting by shared memory (same host);
     ``cross_rank``/``cross_size`` from splitting by local rank, as Horovod defines them.
+
+    When all its ranks are on one host, sums of at least ``rows_min_bytes`` go through
+    the ranks' own memory instead of the MPI library (``gradfuse.comm.cma``; the same
+    bits on 2 ranks); ``cma_status`` says whether that is on, and if not, why.
     """
 
     kind = "mpi"
@@ -152,9 +158,46 @@ class MPICommunicator(Communicator):
         local.Free()
         cross.Free()
         self._in_place = MPI.IN_PLACE
+        self.cma = None
+        if self.size == 1:
+            self.cma_status = "off: one rank"
+        elif self.local_size != self.size:
+            self.cma_status = "off: the ranks are not all on one host"
+        else:
+            want = np.array([int(config.cma())], np.int32)          # every rank's GRADFUSE_CMA, agreed
+            self.data.Allreduce(MPI.IN_PLACE, [want, MPI.INT32_T], op=MPI.MIN)
+            if not want[0]:
+                self.cma_status = "off: GRADFUSE_CMA=0"
+            else:
+                self.cma, self.cma_status = _cma.CMAReducer.probe(self.data)
+
+    # --- intra-host sums (gradfuse.comm.cma) ----------------------------------------
+    @property
+    def reduces_rows(self):
+        return self.cma is not None
+
+    rows_min_bytes = _cma.MIN_BYTES
+
+    def allreduce_rows(self, groups, divisor=None):
+        if self.cma is None:
+            raise NotImplementedError(f"allreduce_rows: {self.cma_status}")
+        self.cma.allreduce(groups, divisor)
+
+    def _cma_one(self, src, dst):
+        """Sum one contiguous array through the peers' memory, or return False."""
+        code = _dt.CODE.get(src.dtype)
+        if (self.cma is None or code is None or src.nbytes < _cma.MIN_BYTES or dst.dtype != src.dtype
+                or dst.size != src.size or not (src.flags.c_contiguous and dst.flags.c_contiguous)):
+            return False
+        count = np.array([src.size], np.int64)
+        self.cma.allreduce([(code, np.array([src.ctypes.data], np.int64), np.array([dst.ctypes.data], np.int64),
+                             count)])
+        return True
 
     # --- data plane ----------------------------------------------------------------
     def allreduce_inplace(self, arr):
+        if self._cma_one(arr, arr):
+            return arr
         if arr.dtype == np.float16:
             return self._sum16_inplace(arr, _f16_sum_op())
         mtype, op = _type_and_op(arr.dtype)
@@ -162,6 +205,8 @@ class MPICommunicator(Communicator):
         return arr
 
     def allreduce(self, src, dst):
+        if self._cma_one(src, dst):
+            return dst
         if src.dtype == np.float16 and src.flags.c_contiguous and dst.flags.c_contiguous:
             np.copyto(dst, src)
             return self._sum16_inplace(dst, _f16_sum_op())

@@ -1,0 +1,176 @@
+"""Allreduce between the ranks of one host, through each other's memory.
+
+When every rank of an MPI communicator runs on one host, its sums need not go through
+the MPI library's shared-memory path (which copies every byte into a shared cell and out
+again, and, for a large allreduce, through a temporary buffer). Linux's cross-memory
+attach, ``process_vm_readv``, copies straight from another process's memory in one
+kernel copy. ``CMAReducer`` uses it to sum tensors where they lie, with no fusion
+buffer, no pack and no unpack (the kernels and their contract: ``gradfuse/kernels/_peer.h``):
+
+1. the ranks publish their tensors' addresses (one ``MPI_Allgather`` per call);
+2. rank r sums chunk r of the tensors (the concatenation of one dtype's tensors, cut in
+   p chunks): it reads the peers' values of that chunk a cache-sized piece at a time,
+   adds them in rank order (divides when averaging) and writes its own outputs;
+3. every rank reports how that went (a small ``MPI_Allgather``: the fence, and every
+   rank learns of any failure);
+4. rank r copies every other chunk from its owner's outputs into its own;
+5. a second report: no rank returns (and lets its caller overwrite a tensor) while a
+   peer may still read it.
+
+Each element is summed once, by its owner, and copied to the others: every rank gets
+the same bits, with p = 2 those of ``MPI_Allreduce`` (a + b == b + a). Per rank it moves
+1.5 reads and 1 write of the data, the least any allreduce of private buffers can.
+
+It is on when the ranks share one host (``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``
+holds them all), the OS lets each rank read the others (probed at start-up: every rank
+reads a random token from every peer and checks it; containers without
+``CAP_SYS_PTRACE`` under a strict seccomp profile, or Yama's ptrace_scope 2 or 3, refuse
+it) and ``GRADFUSE_CMA`` is not 0. The probe's verdict is agreed by all ranks and kept
+in ``MPICommunicator.cma_status``. Ranks on several hosts keep the MPI library's
+allreduce (so does the emulated cluster of ``gradfuse.bench.netns``, whose ranks MPICH
+sees as separate hosts).
+"""
+import os
+
+import numpy as np
+
+from .. import _core
+from ..errors import GradfuseError
+
+#: per-rank scratch slot for the peers' values of one piece (bytes): small enough to stay
+#: in the core's cache while it is summed (measured: docs/benchmarks.md, issue 15)
+PIECE_BYTES = 256 << 10
+#: below this many bytes in a call, the MPI library's allreduce (a few microseconds of
+#: latency) beats the address exchange and the two fences
+MIN_BYTES = 64 << 10
+_ALIGN = 64           # chunk boundaries on 64-byte multiples of the elements
+_TOKEN = 64
+
+
+def _describe(err):
+    return f"[Errno {err}] {os.strerror(err)}" if err else "a wrong token (another process at that pid?)"
+
+
+class CMAReducer:
+    """Sums tensors across the ranks of one host through ``process_vm_readv``.
+
+    Made by ``probe`` (collectively); used from the communication thread only.
+
+    Args:
+        comm: the mpi4py communicator its messages use (all on one host).
+        pids: every rank's process id, by rank.
+    """
+
+    def __init__(self, comm, pids):
+        from mpi4py import MPI
+        self._MPI = MPI
+        self.comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.pids = np.asarray(pids, dtype=np.int64)
+        piece = max(_ALIGN, PIECE_BYTES // max(1, self.size // 4) // _ALIGN * _ALIGN)
+        self.scratch = np.empty(piece * self.size + _ALIGN, dtype=np.uint8)
+        skip = (-self.scratch.ctypes.data) % _ALIGN
+        self.scratch = self.scratch[skip:skip + piece * self.size]
+        self._status = np.zeros(2, dtype=np.int64)
+        self._statuses = np.zeros((self.size, 2), dtype=np.int64)
+
+    @classmethod
+    def probe(cls, comm):
+        """``(reducer, status)`` on every rank alike: a reducer when every rank could read
+        every other rank's memory, else ``(None, why not)``. Collective over ``comm``."""
+        from mpi4py import MPI
+        size, rank = comm.Get_size(), comm.Get_rank()
+        if not _core.PEER_SUPPORTED:
+            return None, "off: no cross-memory attach on this OS"
+        token = np.frombuffer(os.urandom(_TOKEN), dtype=np.uint8).copy()
+        mine = np.concatenate([np.array([os.getpid(), token.ctypes.data], np.int64), token.view(np.int64)])
+        everyone = np.empty((size, mine.size), np.int64)
+        comm.Allgather([mine, MPI.INT64_T], [everyone, MPI.INT64_T])
+        verdict = np.zeros(2, np.int64)            # (errno or -1 for a wrong token, peer)
+        got = np.empty(_TOKEN, np.uint8)
+        for q in range(size):
+            if q == rank:
+                continue
+            err = _core.peer_read(int(everyone[q, 0]), int(everyone[q, 1]), got)
+            if err or not np.array_equal(got, everyone[q, 2:].view(np.uint8)):
+                verdict[:] = (err or -1, q)
+                break
+        verdicts = np.empty((size, 2), np.int64)
+        comm.Allgather([verdict, MPI.INT64_T], [verdicts, MPI.INT64_T])
+        del token                                   # read by the peers until the gather above
+        bad = [r for r in range(size) if verdicts[r, 0]]
+        if bad:
+            r = bad[0]
+            err, q = int(verdicts[r, 0]), int(verdicts[r, 1])
+            return None, (f"off: rank {r} could not read rank {q}'s memory with process_vm_readv: "
+                          f"{_describe(max(err, 0))}")
+        return cls(comm, everyone[:, 0].copy()), "on: cross-memory attach between the ranks of this host"
+
+    # --- the collective ----------------------------------------------------------------
+    def _cuts(self, n, itemsize):
+        """``size + 1`` cut points of ``n`` elements, on 64-byte multiples."""
+        step = max(1, _ALIGN // itemsize)
+        per = -(-n // self.size)
+        per = -(-per // step) * step
+        return np.minimum(np.arange(self.size + 1, dtype=np.int64) * per, n)
+
+    def _fence(self, err, who, phase):
+        """Every rank's (errno, peer) of a phase; raise the same error on every rank if
+        any rank failed."""
+        MPI = self._MPI
+        self._status[:] = (err, who)
+        self.comm.Allgather([self._status, MPI.INT64_T], [self._statuses, MPI.INT64_T])
+        bad = np.flatnonzero(self._statuses[:, 0])
+        if bad.size:
+            r = int(bad[0])
+            e, q = int(self._statuses[r, 0]), int(self._statuses[r, 1])
+            raise GradfuseError(
+                f"intra-host allreduce ({phase}): rank {r} could not read rank {q}'s memory with "
+                f"process_vm_readv: {_describe(e)}; the outputs of this call are incomplete on every rank "
+                f"(GRADFUSE_CMA=0 uses the MPI library's allreduce instead)")
+
+    def allreduce(self, groups, divisor=None):
+        """Sum every group's tensors across the ranks (then divide by ``divisor`` when it
+        is not None; float groups only).
+
+        Args:
+            groups: ``[(code, src, dst, counts), ...]``, one per dtype: the dtype code
+                (``gradfuse.dtypes.CODE``) and int64 arrays of this rank's source and
+                destination addresses and element counts, row by row (the same rows and
+                counts on every rank). ``src`` and ``dst`` may be the same rows (in place).
+        """
+        MPI = self._MPI
+        p, me = self.size, self.rank
+        parts = [a for _, src, dst, _ in groups for a in (src, dst)]
+        mine = np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)
+        tables = np.empty((p, mine.size), np.int64)
+        self.comm.Allgather([mine, MPI.INT64_T], [tables, MPI.INT64_T])
+        plans, at = [], 0
+        for code, src, _, counts in groups:
+            n = src.size
+            src_tab = np.ascontiguousarray(tables[:, at:at + n])
+            dst_tab = np.ascontiguousarray(tables[:, at + n:at + 2 * n])
+            at += 2 * n
+            counts = np.ascontiguousarray(counts, dtype=np.int64)
+            cuts = self._cuts(int(counts.sum()), _itemsize(code))
+            plans.append((code, src_tab, dst_tab, counts, cuts))
+        err, who = 0, -1
+        for code, src_tab, dst_tab, counts, cuts in plans:
+            err, who = _core.peer_reduce(self.pids, me, src_tab, dst_tab[me], counts, code, int(cuts[me]),
+                                         int(cuts[me + 1]), divisor is not None,
+                                         1.0 if divisor is None else float(divisor), self.scratch)
+            if err:
+                break
+        self._fence(err, who, "summing this rank's chunk")
+        for code, src_tab, dst_tab, counts, cuts in plans:
+            err, who = _core.peer_gather(self.pids, me, dst_tab, counts, code, cuts)
+            if err:
+                break
+        self._fence(err, who, "copying the other ranks' chunks")
+
+
+def _itemsize(code):
+    return {1: 2, 2: 4, 3: 8, 4: 4, 5: 8}[code]
+
+
+__all__ = ["CMAReducer", "PIECE_BYTES", "MIN_BYTES"]

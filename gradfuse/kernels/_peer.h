@@ -1,0 +1,305 @@
+/*
+ * Intra-host sums over the peers' own memory, for the ranks of one host.
+ *
+ * Linux's cross-memory attach (process_vm_readv) lets a process copy from another
+ * process's address space in one kernel copy, with no shared buffer and no bounce copy
+ * through one. The ranks of one host use it to allreduce the tensors where they lie:
+ *
+ *   A *table* is the rows of one dtype: nseg tensors, row i a contiguous run of
+ *   counts[i] elements at address tab[r * nseg + i] in rank r's process (every rank
+ *   publishes its own addresses; the counts are the same on every rank, the ranks agreed
+ *   on them). In row order the rows form one vector of N elements, cut into p chunks by
+ *   bounds[0..p] (bounds[0] = 0, bounds[p] = N); chunk r is rank r's.
+ *
+ *   Phase 1, gf_peer_reduce: rank `me` reads chunk `me` of every other rank's *source*
+ *   rows, a piece at a time (process_vm_readv into its scratch, one slot of `piece`
+ *   bytes per rank), sums x_0 + x_1 + ... + x_{p-1} in rank order, each add in the
+ *   dtype's arithmetic (float16: gf_sum16's rule, a float32 add rounded once per add),
+ *   divides the sum when asked (float16: in float32, rounded once; the same operations
+ *   as _core.unpack_div), and writes chunk `me` of its own *destination* rows.
+ *   Phase 2, gf_peer_gather (once every rank finished phase 1): for each chunk c != me,
+ *   rank `me` copies owner c's destination rows into its own, straight from c's memory.
+ *
+ * Every element is summed once, by its owner, and copied to the others, so every rank
+ * ends with the same bits; with p = 2 they are MPI_Allreduce's (a + b == b + a). The
+ * memory traffic per rank is 1.5 reads and 1 write of the vector (the least an allreduce
+ * over private buffers can move), against MPI's shared-memory path, which copies every
+ * byte through its cells.
+ *
+ * In place (source row == destination row) is allowed: phase 1 reads and writes only
+ * chunk `me` of this rank's rows, and chunk `me` of the peers' source rows, which the
+ * peers do not write in phase 1. The caller keeps every row alive and unwritten from
+ * the moment its addresses are published until every rank finished phase 2.
+ *
+ * Both phases return 0, or an errno (EFAULT for a short copy) with *who set to the rank
+ * whose memory could not be read.
+ */
+#ifndef GRADFUSE_PEER_H
+#define GRADFUSE_PEER_H
+
+#include <stdint.h>
+#include <string.h>
+#include <errno.h>
+#include <sys/types.h>
+#include "_half.h"
+#include "_cast.h"
+
+#if defined(__linux__)
+#include <sys/uio.h>
+#define GF_PEER_OK 1
+#else
+#define GF_PEER_OK 0
+struct iovec { void *iov_base; size_t iov_len; };
+#endif
+
+#define GF_PEER_IOV 1024                     /* IOV_MAX on Linux */
+#define GF_PEER_CALL_MAX ((int64_t)1 << 30)  /* bytes per process_vm_readv call (the kernel caps one at ~2 GB) */
+
+/* dtype codes, as in _core.pyx */
+#define GF_PEER_F16 1
+#define GF_PEER_F32 2
+#define GF_PEER_F64 3
+#define GF_PEER_I32 4
+#define GF_PEER_I64 5
+
+static inline int64_t gf_peer_itemsize(int code)
+{
+    return code == GF_PEER_F16 ? 2 : (code == GF_PEER_F32 || code == GF_PEER_I32) ? 4 : 8;
+}
+
+/* Copy n matched (local, remote) iovec pairs from process pid, resuming after a partial
+ * copy (the kernel stops at the first page it cannot read). 0 or an errno. */
+static int gf_peer_readv(int64_t pid, struct iovec *l, struct iovec *r, int n)
+{
+#if GF_PEER_OK
+    int i = 0;
+    while (i < n) {
+        int64_t want = 0;
+        int k;
+        for (k = i; k < n; k++) want += (int64_t) l[k].iov_len;
+        ssize_t got = process_vm_readv((pid_t) pid, l + i, (unsigned long) (n - i), r + i,
+                                       (unsigned long) (n - i), 0);
+        if (got < 0) return errno ? errno : EFAULT;
+        if (got == want) return 0;
+        if (got == 0) return EFAULT;
+        /* skip what was copied and resume inside the pair that was cut */
+        while (got > 0) {
+            if ((int64_t) l[i].iov_len <= got) { got -= (ssize_t) l[i].iov_len; i++; continue; }
+            l[i].iov_base = (char *) l[i].iov_base + got;
+            r[i].iov_base = (char *) r[i].iov_base + got;
+            l[i].iov_len -= (size_t) got;
+            r[i].iov_len -= (size_t) got;
+            got = 0;
+        }
+    }
+    return 0;
+#else
+    (void) pid; (void) l; (void) r; (void) n;
+    return ENOSYS;
+#endif
+}
+
+/* One read of n bytes at addr in process pid into out (the probe). 0 or an errno. */
+static int gf_peer_read(int64_t pid, int64_t addr, uint8_t *out, int64_t n)
+{
+    struct iovec l, r;
+    l.iov_base = out;
+    l.iov_len = (size_t) n;
+    r.iov_base = (void *) (uintptr_t) addr;
+    r.iov_len = (size_t) n;
+    return gf_peer_readv(pid, &l, &r, 1);
+}
+
+/* A position in a table: row s starts at element base of the vector. */
+typedef struct { int64_t s, base; } gf_peer_cur;
+
+static void gf_peer_seek(gf_peer_cur *c, const int64_t *counts, int64_t nseg, int64_t pos)
+{
+    c->s = 0;
+    c->base = 0;
+    while (c->s < nseg && c->base + counts[c->s] <= pos) {
+        c->base += counts[c->s];
+        c->s++;
+    }
+}
+
+/* out[i] = a[i] + b[i] (out may be a or b itself) in the dtype of `code`, n elements */
+static void gf_peer_add(int code, void *out, const void *a, const void *b, int64_t n)
+{
+    int64_t i;
+    if (code == GF_PEER_F32) {
+        float *o = (float *) out;
+        const float *x = (const float *) a, *y = (const float *) b;
+        if (o == x) { for (i = 0; i < n; i++) o[i] = o[i] + y[i]; }
+        else if (o == y) { for (i = 0; i < n; i++) o[i] = x[i] + o[i]; }
+        else {
+            float *__restrict o2 = o;
+            const float *__restrict x2 = x, *__restrict y2 = y;
+            for (i = 0; i < n; i++) o2[i] = x2[i] + y2[i];
+        }
+    } else if (code == GF_PEER_F64) {
+        double *o = (double *) out;
+        const double *x = (const double *) a, *y = (const double *) b;
+        if (o == x) { for (i = 0; i < n; i++) o[i] = o[i] + y[i]; }
+        else if (o == y) { for (i = 0; i < n; i++) o[i] = x[i] + o[i]; }
+        else {
+            double *__restrict o2 = o;
+            const double *__restrict x2 = x, *__restrict y2 = y;
+            for (i = 0; i < n; i++) o2[i] = x2[i] + y2[i];
+        }
+    } else if (code == GF_PEER_I32) {           /* wrapping, as two's complement sums do */
+        uint32_t *o = (uint32_t *) out;
+        const uint32_t *x = (const uint32_t *) a, *y = (const uint32_t *) b;
+        for (i = 0; i < n; i++) o[i] = x[i] + y[i];
+    } else if (code == GF_PEER_I64) {
+        uint64_t *o = (uint64_t *) out;
+        const uint64_t *x = (const uint64_t *) a, *y = (const uint64_t *) b;
+        for (i = 0; i < n; i++) o[i] = x[i] + y[i];
+    } else {                                    /* float16: gf_sum16(fmt, in, inout) */
+        uint16_t *o = (uint16_t *) out;
+        if (o == (const uint16_t *) b) {
+            gf_sum16(GF_FMT_F16, (const uint16_t *) a, o, n);
+        } else if (o == (const uint16_t *) a) {
+            gf_sum16(GF_FMT_F16, (const uint16_t *) b, o, n);    /* the rule is symmetric */
+        } else {
+            memcpy(o, b, (size_t) n * 2);
+            gf_sum16(GF_FMT_F16, (const uint16_t *) a, o, n);
+        }
+    }
+}
+
+/* out[i] = out[i] / divisor, as _core's division kernel does it */
+static void gf_peer_div(int code, void *out, int64_t n, double divisor)
+{
+    int64_t i;
+    float fd = (float) divisor;
+    if (code == GF_PEER_F32) {
+        float *o = (float *) out;
+        for (i = 0; i < n; i++) o[i] = o[i] / fd;
+    } else if (code == GF_PEER_F64) {
+        double *o = (double *) out;
+        for (i = 0; i < n; i++) o[i] = o[i] / divisor;
+    } else if (code == GF_PEER_F16) {
+        uint16_t *o = (uint16_t *) out;
+        for (i = 0; i < n; i++) o[i] = gf_float_to_half(gf_half_to_float(o[i]) / fd);
+    }
+}
+
+/* Phase 1: chunk [lo, hi) of the vector, summed into this rank's destination rows.
+ * src_tab: p x nseg source addresses (row r: rank r's); dst: this rank's destination
+ * addresses; scratch: p slots of `piece` bytes (piece a multiple of 64). */
+static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src_tab, const int64_t *dst,
+                          const int64_t *counts, int64_t nseg, int code, int64_t lo, int64_t hi,
+                          int divide, double divisor, uint8_t *scratch, int64_t piece, int *who)
+{
+    struct iovec liov[GF_PEER_IOV], riov[GF_PEER_IOV];
+    int64_t seg_s[GF_PEER_IOV], seg_off[GF_PEER_IOV], seg_n[GF_PEER_IOV];
+    const void *xs[64];
+    const int64_t isz = gf_peer_itemsize(code);
+    const int64_t per_piece = piece / isz;
+    gf_peer_cur cur;
+    int64_t pos = lo;
+    if (p < 2 || p > 64 || per_piece < 1) return EINVAL;
+    gf_peer_seek(&cur, counts, nseg, pos);
+    while (pos < hi) {
+        int64_t end = hi - pos < per_piece ? hi : pos + per_piece;
+        int np = 0, k, q, err;
+        int64_t at = pos, done;
+        gf_peer_cur c = cur;
+        while (at < end && np < GF_PEER_IOV) {          /* the rows this piece spans */
+            int64_t off = at - c.base, take = counts[c.s] - off;
+            if (take > end - at) take = end - at;
+            seg_s[np] = c.s;
+            seg_off[np] = off;
+            seg_n[np] = take;
+            np++;
+            at += take;
+            if (off + take == counts[c.s]) {
+                c.base += counts[c.s];
+                c.s++;
+                while (c.s < nseg && counts[c.s] == 0) c.s++;
+            }
+        }
+        end = at;
+        for (q = 0; q < p; q++) {                          /* the peers' values of this piece */
+            uint8_t *slot = scratch + (int64_t) q * piece;
+            if (q == me) {
+                if (p > 2) {         /* own values into the slot: the running sum may overwrite them */
+                    done = 0;
+                    for (k = 0; k < np; k++) {
+                        memcpy(slot + done, (const uint8_t *) (uintptr_t) src_tab[(int64_t) me * nseg + seg_s[k]]
+                               + seg_off[k] * isz, (size_t) (seg_n[k] * isz));
+                        done += seg_n[k] * isz;
+                    }
+                }
+                continue;
+            }
+            done = 0;
+            for (k = 0; k < np; k++) {
+                liov[k].iov_base = slot + done;
+                liov[k].iov_len = (size_t) (seg_n[k] * isz);
+                riov[k].iov_base = (void *) (uintptr_t) (src_tab[(int64_t) q * nseg + seg_s[k]] + seg_off[k] * isz);
+                riov[k].iov_len = liov[k].iov_len;
+                done += seg_n[k] * isz;
+            }
+            err = gf_peer_readv(pids[q], liov, riov, np);
+            if (err) { *who = q; return err; }
+        }
+        done = 0;                                          /* sum in rank order, divide, write */
+        for (k = 0; k < np; k++) {
+            uint8_t *out = (uint8_t *) (uintptr_t) dst[seg_s[k]] + seg_off[k] * isz;
+            for (q = 0; q < p; q++)
+                xs[q] = (q == me && p == 2)
+                    ? (const void *) ((const uint8_t *) (uintptr_t) src_tab[(int64_t) me * nseg + seg_s[k]] + seg_off[k] * isz)
+                    : (const void *) (scratch + (int64_t) q * piece + done);
+            gf_peer_add(code, out, xs[0], xs[1], seg_n[k]);
+            for (q = 2; q < p; q++) gf_peer_add(code, out, out, xs[q], seg_n[k]);
+            if (divide) gf_peer_div(code, out, seg_n[k], divisor);
+            done += seg_n[k] * isz;
+        }
+        cur = c;
+        pos = end;
+    }
+    return 0;
+}
+
+/* Phase 2: every chunk c != me (bounds[c] .. bounds[c + 1]) copied from owner c's
+ * destination rows (dst_tab row c) into this rank's (row me). */
+static int gf_peer_gather(int p, int me, const int64_t *pids, const int64_t *dst_tab, const int64_t *counts,
+                          int64_t nseg, int code, const int64_t *bounds, int *who)
+{
+    struct iovec liov[GF_PEER_IOV], riov[GF_PEER_IOV];
+    const int64_t isz = gf_peer_itemsize(code);
+    int step;
+    for (step = 1; step < p; step++) {
+        int c = (me + step) % p, err;
+        int64_t pos = bounds[c], hi = bounds[c + 1];
+        gf_peer_cur cur;
+        gf_peer_seek(&cur, counts, nseg, pos);
+        while (pos < hi) {
+            int n = 0;
+            int64_t bytes = 0;
+            while (pos < hi && n < GF_PEER_IOV && bytes < GF_PEER_CALL_MAX) {
+                int64_t off = pos - cur.base, take = counts[cur.s] - off;
+                if (take > hi - pos) take = hi - pos;
+                if (take * isz > GF_PEER_CALL_MAX - bytes) take = (GF_PEER_CALL_MAX - bytes) / isz;
+                liov[n].iov_base = (void *) (uintptr_t) (dst_tab[(int64_t) me * nseg + cur.s] + off * isz);
+                riov[n].iov_base = (void *) (uintptr_t) (dst_tab[(int64_t) c * nseg + cur.s] + off * isz);
+                liov[n].iov_len = riov[n].iov_len = (size_t) (take * isz);
+                n++;
+                bytes += take * isz;
+                pos += take;
+                if (off + take == counts[cur.s]) {
+                    cur.base += counts[cur.s];
+                    cur.s++;
+                    while (cur.s < nseg && counts[cur.s] == 0) cur.s++;
+                }
+            }
+            err = gf_peer_readv(pids[c], liov, riov, n);
+            if (err) { *who = c; return err; }
+        }
+    }
+    return 0;
+}
+
+#endif

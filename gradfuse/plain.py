@@ -1,0 +1,131 @@
+"""A step's uncompressed buckets (stage 4 of ``gradfuse.step``).
+
+* ``pack(step, b)``, ``reduce(step, comm, b)`` (the MPI library's or NCCL's own
+  allreduce, in place on the fusion buffer), ``unpack(step, b, ...)`` (dividing when
+  averaging);
+* ``reduce_direct``: a large tensor reduced where it lies, alone;
+* ``reduce_rows``: between the ranks of one host (``comm.reduces_rows``), every plain
+  bucket's tensors summed where they lie, in one call per step: no fusion buffer, no
+  pack, no unpack (``gradfuse.comm.cma``);
+* ``uncompressed``: a float32 bucket that ``uncompressed_if_faster`` runs uncompressed,
+  with the residual it kept while compressed.
+"""
+import numpy as np
+
+from .compressors.jobs import twophase_chunk
+from .runtime import timeline as _tl
+
+def bucket_names(step, b):
+    """The names of bucket ``b``'s tensors (built only while a timeline records)."""
+    return [step.entry.names[int(i)] for i in step.entry.plan.order[b.lo:b.hi]]
+
+
+def pack(step, b):
+    """Copy bucket ``b``'s tensors into its fusion buffer (one kernel call)."""
+    t = step.tables
+    with _tl.stage("pack", "allreduce", lambda: bucket_names(step, b), bucket=b.index, bytes=b.nbytes):
+        step.entry.bk.pack(b.buffer, step.src, t.offsets, t.nbytes, b.lo, b.hi)
+
+
+def reduce(step, comm, b):
+    """Sum bucket ``b``'s fusion buffer across ranks, in place."""
+    with _tl.stage("exchange", "allreduce", lambda: bucket_names(step, b), bucket=b.index, bytes=b.nbytes):
+        comm.allreduce_inplace(b.view())
+
+
+def unpack(step, b, divide, size):
+    """Copy the summed buffer back into the outputs, dividing by ``size`` when averaging."""
+    t, bk = step.tables, step.entry.bk
+    with _tl.stage("unpack", "allreduce", lambda: bucket_names(step, b), bucket=b.index, bytes=b.nbytes):
+        if divide:
+            outs = () if bk.device == "cpu" else [step.out_objs[int(i)] for i in step.entry.plan.order[b.lo:b.hi]]
+            bk.unpack_div(b.buffer, step.dst, t.offsets, t.nbytes, b.lo, b.hi, b.code, size, outs)
+        else:
+            bk.unpack(b.buffer, step.dst, t.offsets, t.nbytes, b.lo, b.hi)
+
+
+def rows_buckets(step, comm, plain, jobs, vel):
+    """{bucket index: bucket} of the plain buckets that ``comm`` sums where their tensors
+    lie (``allreduce_rows``: between the ranks of one host, ``gradfuse.comm.cma``), or
+    an empty dict: host memory only, no momentum correction, at least
+    ``comm.rows_min_bytes`` in all."""
+    if not comm.reduces_rows or vel or step.entry.bk.device != "cpu":
+        return {}
+    picked = {b.index: b for b in plain if b.index not in jobs and b.index not in step.unpaid}
+    if sum(b.nbytes for b in picked.values()) < comm.rows_min_bytes:
+        return {}
+    return picked
+
+
+def reduce_rows(step, comm, buckets, divide, size):
+    """Sum the tensors of ``buckets`` where they lie, into the outputs, dividing by
+    ``size`` when averaging: no fusion buffer, no pack and no unpack; one
+    ``allreduce_rows`` call per step with one group of rows per dtype."""
+    entry = step.entry
+    key = ("rows",) + tuple(buckets)
+    rows = entry.wire.get(key)
+    if rows is None:           # the plan's rows of each dtype, cached with the plan
+        by_code = {}
+        for b in buckets.values():
+            by_code.setdefault(b.code, []).append(np.arange(b.lo, b.hi, dtype=np.int64))
+        rows = entry.wire[key] = [(code, np.concatenate(r)) for code, r in by_code.items()]
+    counts = entry.plan.counts
+    groups = [(code, step.src[r], step.dst[r], counts[r]) for code, r in rows]
+    names = lambda: [n for b in buckets.values() for n in bucket_names(step, b)]     # noqa: E731
+    with _tl.stage("exchange", "allreduce", names, bytes=sum(b.nbytes for b in buckets.values())):
+        comm.allreduce_rows(groups, size if divide else None)
+
+
+def reduce_direct(step, comm, b, divide, size):
+    """Sum the one large tensor of a ``direct`` bucket where it lies (no packing)."""
+    i = int(step.entry.plan.order[b.lo])
+    with _tl.stage("exchange", "allreduce", (step.entry.names[i],), bucket=b.index, bytes=b.nbytes):
+        if step.src[b.lo] == step.dst[b.lo]:
+            comm.allreduce_inplace(step.out_objs[i])
+        else:
+            comm.allreduce(step.in_objs[i], step.out_objs[i])
+    if divide:
+        with _tl.stage("unpack", "allreduce", (step.entry.names[i],), bucket=b.index, bytes=b.nbytes):
+            step.entry.bk.div_inplace(step.out_objs[i], step.dst[b.lo], step.entry.plan.counts[b.lo], b.code, size)
+
+
+def uncompressed(step, comm, b, divide, size):
+    """A float32 bucket that ``uncompressed_if_faster`` runs uncompressed. A residual it kept
+    while compressed (or restored from a checkpoint) joins this rank's addend and is
+    dropped, so nothing of it is lost: the sum is that of ``g + e`` over the ranks. A
+    two-phase server residual (in averaged units) joins as ``divisor x e_s`` on the rank
+    that served that chunk. Runs after ``check_finite``, so a skipped step keeps them."""
+    cfg, entry, bk = step.cfg, step.entry, step.entry.bk
+    taken = cfg.state.take_residual((entry.state_key, b.index), bk)
+    if taken is None:
+        if b.direct:
+            reduce_direct(step, comm, b, divide, size)
+        else:
+            pack(step, b)
+            reduce(step, comm, b)
+            unpack(step, b, divide, size)
+        return
+    e, es = taken
+
+    def add_residuals(flat):           # (g + e), then + divisor x e_s on the server's chunk
+        flat += e
+        if es.size:
+            counts = tuple(step.tables.counts[b.lo:b.hi].tolist())
+            e0, e1 = twophase_chunk(counts, comm.size, cfg.compressor.compressors[b.group].block, comm.rank)
+            flat[e0:e1] += es * bk.xp.float32(size if divide else 1.0)
+
+    if b.direct:
+        i = int(entry.plan.order[b.lo])
+        out = step.out_objs[i]
+        if step.src[b.lo] != step.dst[b.lo]:
+            out[...] = step.in_objs[i]
+        add_residuals(out.reshape(-1))
+        comm.allreduce_inplace(out)
+        if divide:
+            bk.div_inplace(out, step.dst[b.lo], entry.plan.counts[b.lo], b.code, size)
+        return
+    pack(step, b)
+    add_residuals(bk.xp.asarray(b.buffer).view(np.float32))
+    reduce(step, comm, b)
+    unpack(step, b, divide, size)
+

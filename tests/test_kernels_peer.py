@@ -1,0 +1,142 @@
+"""The intra-host kernels (``kernels/_peer.h``) in one process: every "rank" of a table
+is this process (its own pid), so cross-memory attach reads this process's memory and the
+kernels' walk over rows, pieces, iovec batches, sums and divisions is checked against
+numpy without MPI. The MPI side (addresses published, phases fenced, errors raised on
+every rank) is tests/mpi/test_cma.py."""
+import os
+
+import numpy as np
+import pytest
+
+from gradfuse import _core
+from gradfuse import dtypes as _dt
+from gradfuse.comm import cma
+
+pytestmark = pytest.mark.skipif(not _core.PEER_SUPPORTED, reason="no cross-memory attach on this OS")
+
+PID = os.getpid()
+
+
+def _ref_sum(xs, dtype):
+    """Rank-order sum, each add in the dtype's arithmetic (float16: float32 add rounded once)."""
+    acc = xs[0].copy()
+    for x in xs[1:]:
+        if dtype == np.float16:
+            acc = (acc.astype(np.float32) + x.astype(np.float32)).astype(np.float16)
+        else:
+            acc = acc + x
+    return acc
+
+
+def _ref_div(x, dtype, d):
+    if dtype == np.float16:
+        return (x.astype(np.float32) / np.float32(d)).astype(np.float16)
+    return x / dtype(d)
+
+
+def _run(ranks, code, divide, piece_bytes, inplace):
+    """Phase 1 for every rank, then phase 2 for every rank, as the fences order them."""
+    p = len(ranks)
+    dtype = _dt.DTYPE[code]
+    src_tab = np.array([[a.ctypes.data for a in src] for src, _ in ranks], np.int64)
+    dst_tab = np.array([[a.ctypes.data for a in dst] for _, dst in ranks], np.int64)
+    counts = np.array([a.size for a in ranks[0][0]], np.int64)
+    red = cma.CMAReducer.__new__(cma.CMAReducer)
+    red.size = p
+    cuts = red._cuts(int(counts.sum()), dtype.itemsize)
+    pids = np.full(p, PID, np.int64)
+    scratch = np.empty(piece_bytes * p, np.uint8)
+    for me in range(p):
+        err, who = _core.peer_reduce(pids, me, src_tab, dst_tab[me], counts, code, int(cuts[me]),
+                                     int(cuts[me + 1]), divide, float(p), scratch)
+        assert (err, who) == (0, -1)
+    for me in range(p):
+        assert _core.peer_gather(pids, me, dst_tab, counts, code, cuts) == (0, -1)
+
+
+@pytest.mark.parametrize("p", [2, 3, 5])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64])
+@pytest.mark.parametrize("inplace", [True, False])
+def test_every_rank_gets_the_rank_order_sum(p, dtype, inplace):
+    rng = np.random.default_rng(p * 10 + inplace)
+    sizes = [0, 1, 7, 64, 1000, 0, 33_333, 3, 70_001, 5]     # empty rows, rows across pieces
+    code = _dt.CODE[np.dtype(dtype)]
+    ranks, want_in = [], []
+    for r in range(p):
+        if np.dtype(dtype).kind == "f":
+            src = [(rng.standard_normal(n) * 100).astype(dtype) for n in sizes]
+        else:
+            src = [rng.integers(-2**30, 2**30, n).astype(dtype) for n in sizes]
+        want_in.append([s.copy() for s in src])
+        dst = src if inplace else [np.full_like(s, 7) for s in src]
+        ranks.append((src, dst))
+    divide = np.dtype(dtype).kind == "f"
+    _run(ranks, code, divide, piece_bytes=4096, inplace=inplace)
+    for i in range(len(sizes)):
+        want = _ref_sum([want_in[r][i] for r in range(p)], dtype)
+        if divide:
+            want = _ref_div(want, dtype, p)
+        for r in range(p):
+            got = ranks[r][1][i]
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (r, i)
+            if not inplace:
+                assert np.array_equal(ranks[r][0][i], want_in[r][i])      # sources untouched
+
+
+def test_two_ranks_give_mpi_bits_with_nan_and_inf():
+    """p = 2: a + b, so the bits of MPI_Allreduce's sum; fp16 follows gf_sum16's NaN rule."""
+    a = np.array([1.5, np.inf, -np.inf, np.nan, 65504, 3e-8], np.float16)
+    b = np.array([2.25, -np.inf, -np.inf, 1.0, 65504, 3e-8], np.float16)
+    ranks = [([a.copy()], [a.copy()]), ([b.copy()], [b.copy()])]
+    _run(ranks, 1, False, 4096, True)
+    want = np.empty_like(a)
+    want[...] = b
+    _core.sum16(1, a, want)
+    for _, dst in ranks:
+        assert np.array_equal(dst[0].view(np.uint16), want.view(np.uint16))
+
+
+def test_more_rows_than_one_call_takes():
+    """3000 rows: phase 1 pieces and phase 2 batches both split at IOV_MAX (1024)."""
+    rng = np.random.default_rng(3)
+    sizes = rng.integers(1, 40, 3000)
+    xs = [[rng.standard_normal(n).astype(np.float32) for n in sizes] for _ in range(2)]
+    want = [x + y for x, y in zip(*xs)]
+    ranks = [(x, x) for x in xs]
+    _run(ranks, 2, False, 1 << 20, True)
+    for r in range(2):
+        for got, w in zip(ranks[r][1], want):
+            assert np.array_equal(got, w)
+
+
+def test_errors_name_the_rank_and_refuse_bad_tables():
+    x = np.ones(100, np.float32)
+    pids = np.array([PID, PID], np.int64)
+    counts = np.array([100], np.int64)
+    scratch = np.empty(8192, np.uint8)
+    bad = np.array([[x.ctypes.data], [4096]], np.int64)             # rank 1's row: an unmapped page
+    err, who = _core.peer_reduce(pids, 0, bad, bad[0], counts, 2, 0, 50, False, 1.0, scratch)
+    assert who == 1 and err != 0
+    assert np.array_equal(x, np.ones(100, np.float32))                # nothing written on a failed read
+    with pytest.raises(ValueError, match="null address"):
+        _core.peer_reduce(pids, 0, np.array([[x.ctypes.data], [0]], np.int64), bad[0], counts, 2, 0, 50, False,
+                          1.0, scratch)
+    with pytest.raises(IndexError, match="outside a table of 100"):
+        _core.peer_reduce(pids, 0, bad, bad[0], counts, 2, 0, 101, False, 1.0, scratch)
+    with pytest.raises(TypeError, match="float dtype"):
+        _core.peer_reduce(pids, 0, bad, bad[0], counts, 4, 0, 50, True, 2.0, scratch)
+    with pytest.raises(ValueError, match="shape"):
+        _core.peer_gather(pids, 0, bad[:1], counts, 2, np.array([0, 50, 100], np.int64))
+    with pytest.raises(ValueError, match="cut points"):
+        _core.peer_gather(pids, 0, bad, counts, 2, np.array([0, 50, 99], np.int64))
+    assert _core.peer_read(PID, 4096, np.empty(8, np.uint8)) != 0
+
+
+def test_cuts_are_cache_line_multiples_and_cover_everything():
+    red = cma.CMAReducer.__new__(cma.CMAReducer)
+    for p in (2, 3, 7):
+        red.size = p
+        for n, item in ((0, 4), (1, 4), (17, 2), (1000003, 4), (12345, 8)):
+            c = red._cuts(n, item)
+            assert c[0] == 0 and c[-1] == n and (np.diff(c) >= 0).all() and len(c) == p + 1
+            assert all(int(v) % (64 // item) == 0 for v in c[1:-1] if v < n)
