@@ -37,7 +37,7 @@ def _ref_div(x, dtype, d):
 def _run(ranks, code, divide, piece_bytes, inplace):
     """Phase 1 for every rank, then phase 2 for every rank, as the fences order them."""
     p = len(ranks)
-    dtype = _dt.DTYPE[code]
+    dtype = np.dtype(np.uint16) if code == cma.BF16 else _dt.DTYPE[code]
     src_tab = np.array([[a.ctypes.data for a in src] for src, _ in ranks], np.int64)
     dst_tab = np.array([[a.ctypes.data for a in dst] for _, dst in ranks], np.int64)
     counts = np.array([a.size for a in ranks[0][0]], np.int64)
@@ -140,3 +140,20 @@ def test_cuts_are_cache_line_multiples_and_cover_everything():
             c = red._cuts(n, item)
             assert c[0] == 0 and c[-1] == n and (np.diff(c) >= 0).all() and len(c) == p + 1
             assert all(int(v) % (64 // item) == 0 for v in c[1:-1] if v < n)
+
+
+@pytest.mark.parametrize("p", [2, 3])
+def test_bf16_words_follow_the_16_bit_sum(p):
+    """Code 6 (the bf16 compressor's payload words): rank-order adds by ``_core.sum16``'s
+    bf16 rule, a float32 add rounded once per add."""
+    rng = np.random.default_rng(p)
+    words = [rng.integers(0, 1 << 16, 50_001).astype(np.uint16) for _ in range(p)]
+    want = words[0].copy()
+    for w in words[1:]:
+        nxt = w.copy()
+        _core.sum16(2, want, nxt)            # nxt = want + w
+        want = nxt
+    ranks = [([w.copy()], [w.copy()]) for w in words]
+    _run(ranks, cma.BF16, False, 4096, True)
+    for _, dst in ranks:
+        assert np.array_equal(dst[0], want)

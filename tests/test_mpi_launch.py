@@ -23,16 +23,25 @@ def _mpi_env():
     return env
 
 
-@pytest.mark.parametrize("ranks,target", [(2, "tests/mpi"), pytest.param(3, "tests/mpi", marks=pytest.mark.one_leg),
-                                          (1, "tests/mpi/test_battery.py"),
-                                          pytest.param(4, "tests/mpi/test_battery.py", marks=pytest.mark.one_leg)])
-def test_multi_rank_suite(ranks, target):
-    """All of tests/mpi on 2 and 3 ranks; the reliability battery also on 1 and 4."""
+# the suite's ranks share one host, so their sums go through each other's memory
+# (gradfuse.comm.cma); the MPI library's path for the same sums runs with GRADFUSE_CMA=0
+_MPI_PATH = "tests/mpi/test_comm.py tests/mpi/test_collectives.py tests/mpi/test_cma.py tests/mpi/test_battery.py"
+
+
+@pytest.mark.parametrize("ranks,target,cma", [(2, "tests/mpi", "1"),
+                                              pytest.param(3, "tests/mpi", "1", marks=pytest.mark.one_leg),
+                                              (2, _MPI_PATH, "0"),
+                                              (1, "tests/mpi/test_battery.py", "1"),
+                                              pytest.param(4, "tests/mpi/test_battery.py", "1",
+                                                           marks=pytest.mark.one_leg)])
+def test_multi_rank_suite(ranks, target, cma):
+    """All of tests/mpi on 2 and 3 ranks; the reliability battery also on 1 and 4; the
+    plain sums through the MPI library (GRADFUSE_CMA=0) on 2."""
     mpiexec = mpiexec_path()
     assert mpiexec, "mpiexec not found: install the mpich extra (see README)"
-    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "pytest", target, "-q",
+    cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "pytest", *target.split(), "-q",
            "-p", "no:cacheprovider", "-o", "addopts=", "-W", "ignore::DeprecationWarning"]
-    env = dict(_mpi_env(), GRADFUSE_TEST_RANKS=str(ranks))
+    env = dict(_mpi_env(), GRADFUSE_TEST_RANKS=str(ranks), GRADFUSE_CMA=cma)
     code, out, timed_out = run_limited(cmd, timeout=180, env=env, cwd=ROOT)
     print(out)
     assert not timed_out, f"mpiexec -n {ranks} hung (killed after 180 s):\n{out[-4000:]}"

@@ -135,7 +135,7 @@ class CMAReducer:
 
         Args:
             groups: ``[(code, src, dst, counts), ...]``, one per dtype: the dtype code
-                (``gradfuse.dtypes.CODE``) and int64 arrays of this rank's source and
+                (``gradfuse.dtypes.CODE``, or ``BF16`` for bf16 words) and int64 arrays of this rank's source and
                 destination addresses and element counts, row by row (the same rows and
                 counts on every rank). ``src`` and ``dst`` may be the same rows (in place).
         """
@@ -169,8 +169,12 @@ class CMAReducer:
         self._fence(err, who, "copying the other ranks' chunks")
 
 
+#: the kernels' code for bf16 words (the bf16 compressor's payload), beside gradfuse.dtypes.CODE
+BF16 = 6
+
+
 def _itemsize(code):
-    return {1: 2, 2: 4, 3: 8, 4: 4, 5: 8}[code]
+    return {1: 2, 2: 4, 3: 8, 4: 4, 5: 8, BF16: 2}[code]
 
 
 __all__ = ["CMAReducer", "PIECE_BYTES", "MIN_BYTES"]

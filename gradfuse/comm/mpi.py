@@ -183,9 +183,9 @@ class MPICommunicator(Communicator):
             raise NotImplementedError(f"allreduce_rows: {self.cma_status}")
         self.cma.allreduce(groups, divisor)
 
-    def _cma_one(self, src, dst):
+    def _cma_one(self, src, dst, code=None):
         """Sum one contiguous array through the peers' memory, or return False."""
-        code = _dt.CODE.get(src.dtype)
+        code = _dt.CODE.get(src.dtype) if code is None else code
         if (self.cma is None or code is None or src.nbytes < _cma.MIN_BYTES or dst.dtype != src.dtype
                 or dst.size != src.size or not (src.flags.c_contiguous and dst.flags.c_contiguous)):
             return False
@@ -235,6 +235,8 @@ class MPICommunicator(Communicator):
         return dst
 
     def allreduce16(self, buf, fmt, native=False):
+        if self._cma_one(buf, buf, 1 if fmt == 1 else _cma.BF16):
+            return buf
         return self._sum16_inplace(buf, _sum16_op(fmt))
 
     def _sum16_inplace(self, buf, op):

@@ -14,7 +14,8 @@
  *   Phase 1, gf_peer_reduce: rank `me` reads chunk `me` of every other rank's *source*
  *   rows, a piece at a time (process_vm_readv into its scratch, one slot of `piece`
  *   bytes per rank), sums x_0 + x_1 + ... + x_{p-1} in rank order, each add in the
- *   dtype's arithmetic (float16: gf_sum16's rule, a float32 add rounded once per add),
+ *   dtype's arithmetic (float16, and bf16 words (code 6): gf_sum16's rule, a float32 add
+ *   rounded once per add),
  *   divides the sum when asked (float16: in float32, rounded once; the same operations
  *   as _core.unpack_div), and writes chunk `me` of its own *destination* rows.
  *   Phase 2, gf_peer_gather (once every rank finished phase 1): for each chunk c != me,
@@ -61,10 +62,11 @@ struct iovec { void *iov_base; size_t iov_len; };
 #define GF_PEER_F64 3
 #define GF_PEER_I32 4
 #define GF_PEER_I64 5
+#define GF_PEER_BF16 6      /* bf16 words (the bf16 compressor's payload): gf_sum16's bf16 rule */
 
 static inline int64_t gf_peer_itemsize(int code)
 {
-    return code == GF_PEER_F16 ? 2 : (code == GF_PEER_F32 || code == GF_PEER_I32) ? 4 : 8;
+    return (code == GF_PEER_F16 || code == GF_PEER_BF16) ? 2 : (code == GF_PEER_F32 || code == GF_PEER_I32) ? 4 : 8;
 }
 
 /* Copy n matched (local, remote) iovec pairs from process pid, resuming after a partial
@@ -123,7 +125,9 @@ static void gf_peer_seek(gf_peer_cur *c, const int64_t *counts, int64_t nseg, in
     }
 }
 
-/* out[i] = a[i] + b[i] (out may be a or b itself) in the dtype of `code`, n elements */
+/* out[i] = a[i] + b[i] (out may be a or b itself) in the dtype of `code`, n elements; a
+ * is the earlier ranks' (the running sum), and where both are NaN a's wins, as in x86's
+ * float adds (its first operand's payload) and gf_sum16's rule (its `in` operand's) */
 static void gf_peer_add(int code, void *out, const void *a, const void *b, int64_t n)
 {
     int64_t i;
@@ -155,15 +159,22 @@ static void gf_peer_add(int code, void *out, const void *a, const void *b, int64
         uint64_t *o = (uint64_t *) out;
         const uint64_t *x = (const uint64_t *) a, *y = (const uint64_t *) b;
         for (i = 0; i < n; i++) o[i] = x[i] + y[i];
-    } else {                                    /* float16: gf_sum16(fmt, in, inout) */
+    } else {            /* float16, bf16: gf_sum16(fmt, in = a, inout = b), so a NaN of a wins */
         uint16_t *o = (uint16_t *) out;
+        int fmt = code == GF_PEER_BF16 ? GF_FMT_BF16 : GF_FMT_F16;
         if (o == (const uint16_t *) b) {
-            gf_sum16(GF_FMT_F16, (const uint16_t *) a, o, n);
-        } else if (o == (const uint16_t *) a) {
-            gf_sum16(GF_FMT_F16, (const uint16_t *) b, o, n);    /* the rule is symmetric */
+            gf_sum16(fmt, (const uint16_t *) a, o, n);
+        } else if (o == (const uint16_t *) a) {       /* the running sum: b through a small buffer */
+            uint16_t tmp[512];
+            for (i = 0; i < n; i += 512) {
+                int64_t m = n - i < 512 ? n - i : 512;
+                memcpy(tmp, (const uint16_t *) b + i, (size_t) m * 2);
+                gf_sum16(fmt, o + i, tmp, m);
+                memcpy(o + i, tmp, (size_t) m * 2);
+            }
         } else {
             memcpy(o, b, (size_t) n * 2);
-            gf_sum16(GF_FMT_F16, (const uint16_t *) a, o, n);
+            gf_sum16(fmt, (const uint16_t *) a, o, n);
         }
     }
 }

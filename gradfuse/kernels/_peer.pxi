@@ -27,7 +27,7 @@ cdef int64_t _peer_check(str who, const int64_t[::1] pids, int me, const int64_t
     if tab.shape[0] != p or tab.shape[1] != nseg:
         raise ValueError(f"{who}: address table of shape ({tab.shape[0]}, {tab.shape[1]}) for {p} ranks "
                          f"and {nseg} rows")
-    if code < 1 or code > 5:
+    if code < 1 or code > 6:
         raise ValueError(f"{who}: unknown dtype code {code}")
     for i in range(nseg):
         if counts[i] < 0:
@@ -66,7 +66,7 @@ def peer_reduce(const int64_t[::1] pids, int me, const int64_t[:, ::1] src_tab, 
         raise ValueError(f"peer_reduce: {dst.shape[0]} destination rows for {counts.shape[0]} counts")
     if lo < 0 or lo > hi or hi > total:
         raise IndexError(f"peer_reduce: range {lo}:{hi} outside a table of {total} elements")
-    if divide and code != 1 and code != 2 and code != 3:
+    if divide and code != 1 and code != 2 and code != 3:       # (bf16 words, code 6, are never divided)
         raise TypeError(f"peer_reduce: division needs a float dtype code, got {code}")
     if piece < 64:
         raise ValueError(f"peer_reduce: scratch of {scratch.shape[0]} bytes is too small for {p} ranks")
