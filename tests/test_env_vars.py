@@ -57,6 +57,29 @@ def test_seconds(var, value, monkeypatch):
 
 
 @pytest.mark.parametrize("value", sorted(FLAG))
+def test_cma_flag(value, monkeypatch):
+    assert _outcome(config.cma, "GRADFUSE_CMA", value, monkeypatch) == FLAG[value]
+
+
+def test_every_variable_is_in_the_readme_table():
+    """Every GRADFUSE_* name the package reads (not the C headers' include guards) has a
+    row in README.md's table of environment variables."""
+    import re
+    read = set()
+    for d, _, files in os.walk(os.path.join(ROOT, "gradfuse")):
+        for f in files:
+            if f.endswith((".py", ".pyx")):
+                with open(os.path.join(d, f), encoding="utf-8") as fh:
+                    read |= set(re.findall(r"GRADFUSE_[A-Z0-9_]+", fh.read()))
+    with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as fh:
+        read |= set(re.findall(r"GRADFUSE_[A-Z0-9_]+", fh.read()))
+    read = {v for v in read if not v.endswith("_H") and not v.endswith("_")}
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as fh:
+        rows = set(re.findall(r"^\| `(GRADFUSE_[A-Z0-9_]+)`", fh.read(), re.M))
+    assert read - rows == set(), f"not in README.md's table: {sorted(read - rows)}"
+
+
+@pytest.mark.parametrize("value", sorted(FLAG))
 def test_hooks_flag(value, monkeypatch):
     assert _outcome(watchdog.hooks_enabled, "GRADFUSE_HOOKS", value, monkeypatch) == FLAG[value]
 

@@ -10,7 +10,10 @@ once per round, alternating, the median over rounds of the slowest rank:
   (``--wait all``: ``mx.nd.waitall()``, one call; ``--wait each``: ``wait_to_read()`` on
   every output, 2000 Python calls on the small set, on both sides alike);
 * ``Pipeline (numpy)``: ``gradfuse.Pipeline(average=False).allreduce_`` on numpy arrays of
-  the same shapes;
+  the same shapes; with the ranks on one host its sums go through the ranks' own memory
+  (``gradfuse.comm.cma``), as gradfuse.mxnet's do;
+* ``Pipeline, MPI library``: the same on a communicator made with ``cma=False``
+  (``GRADFUSE_CMA=0``): packed buckets and direct tensors through ``MPI_Allreduce``;
 * ``Horovod <threshold>``: Horovod's ``grouped_allreduce_`` and the same wait, once per
   ``--horovod-thresholds`` entry (default: Horovod's own 128 MiB, and 4 MiB, the fastest
   of a sweep on this machine). Horovod reads ``HOROVOD_FUSION_THRESHOLD`` in ``init()``,
@@ -126,6 +129,7 @@ def bench_set(set_name, rounds, world, gfm, hvd, thresholds, wait):
     """Median seconds per method (max over ranks) on one gradient set."""
     import mxnet as mx
     from mpi4py import MPI
+    from ..comm.mpi import MPICommunicator
     from ..pipeline import Pipeline
     rank = world.rank
     arrays = make_set(SETS[set_name](), 100 + rank)
@@ -133,8 +137,9 @@ def bench_set(set_name, rounds, world, gfm, hvd, thresholds, wait):
     for e in expected:
         world.Allreduce(MPI.IN_PLACE, e)
     nds = [mx.nd.array(a, dtype=np.float32) for a in arrays]
-    work = {k: [a.copy() for a in arrays] for k in ("pipe", "per", "oop")}
+    work = {k: [a.copy() for a in arrays] for k in ("pipe", "lib", "per", "oop")}
     pipe, oop = Pipeline(average=False), Pipeline(average=False)
+    lib = Pipeline(average=False, comm=MPICommunicator(world, cma=False))
     name = f"bench.{set_name}"
 
     def gf():
@@ -146,7 +151,8 @@ def bench_set(set_name, rounds, world, gfm, hvd, thresholds, wait):
             world.Allreduce(MPI.IN_PLACE, a)
 
     methods = {"gradfuse.mxnet": Method(gf),
-               "Pipeline (numpy)": Method(lambda: pipe.allreduce_(work["pipe"]))}
+               "Pipeline (numpy)": Method(lambda: pipe.allreduce_(work["pipe"])),
+               "Pipeline, MPI library": Method(lambda: lib.allreduce_(work["lib"]))}
     hvd_nds = None
     if hvd is not None:
         hvd_nds = [mx.nd.array(a, dtype=np.float32) for a in arrays]
@@ -160,6 +166,8 @@ def bench_set(set_name, rounds, world, gfm, hvd, thresholds, wait):
     _check("gradfuse.mxnet", [nd.asnumpy() for nd in nds], expected, rank)
     pipe.allreduce_(work["pipe"])
     _check("Pipeline", work["pipe"], expected, rank)
+    lib.allreduce_(work["lib"])
+    _check("Pipeline, MPI library", work["lib"], expected, rank)
     per_tensor()
     _check("MPI per-tensor", work["per"], expected, rank)
     _check("Pipeline.allreduce", oop.allreduce(work["oop"]), expected, rank)
@@ -231,14 +239,15 @@ def _report(results, cost, size, rounds, thresholds, have_hvd, wait_how):
         print("\n| set | gradfuse.mxnet / Pipeline (target <= 1.1) | " +
               " | ".join(f"{h} / gradfuse.mxnet (target >= 2)" for h in hv) +
               (" | " if hv else "") + "MPI per-tensor / Pipeline.allreduce (target >= 1.0 resnet50, "
-              ">= 1.5 small) |")
-        print("|---|---:|" + "---:|" * len(hv) + "---:|")
+              ">= 1.5 small) | Pipeline, MPI library / Pipeline |")
+        print("|---|---:|" + "---:|" * len(hv) + "---:|---:|")
         for s, r in results.items():
             t = r["t"]
             g = t["gradfuse.mxnet"]
             row = f"| {s} | {g / t['Pipeline (numpy)']:.2f}x | "
             row += "".join(f"{t[h] / g:.2f}x | " for h in hv)
-            row += f"{t['MPI per-tensor'] / t['Pipeline.allreduce']:.2f}x |"
+            row += f"{t['MPI per-tensor'] / t['Pipeline.allreduce']:.2f}x | "
+            row += f"{t['Pipeline, MPI library'] / t['Pipeline (numpy)']:.2f}x |"
             print(row)
     if cost:
         t, n = cost["t"], cost["n"]

@@ -37,9 +37,10 @@ import numpy as np
 from .. import _core
 from ..errors import GradfuseError
 
-#: per-rank scratch slot for the peers' values of one piece (bytes): small enough to stay
-#: in the core's cache while it is summed (measured: docs/benchmarks.md, issue 15)
-PIECE_BYTES = 256 << 10
+#: per-rank scratch slot for the peers' values of one piece (bytes): each process_vm_readv
+#: call costs ~5 us and a page walk of the peer's memory, so pieces are large, yet small
+#: enough to be summed from the cache (measured: docs/benchmarks.md, issue 15)
+PIECE_BYTES = 1 << 20
 #: below this many bytes in a call, the MPI library's allreduce (a few microseconds of
 #: latency) beats the address exchange and the two fences
 MIN_BYTES = 64 << 10

@@ -129,6 +129,9 @@ class MPICommunicator(Communicator):
 
     Args:
         comm: any mpi4py intracommunicator. It is duplicated twice (data, control).
+        cma: sum between the ranks of one host through their memory (``gradfuse.comm.cma``):
+            None (default) reads ``GRADFUSE_CMA`` (unset: yes, where it works), False
+            never. All ranks must pass the same.
 
     ``local_rank``/``local_size`` come from splitting by shared memory (same host);
     ``cross_rank``/``cross_size`` from splitting by local rank, as Horovod defines them.
@@ -140,7 +143,7 @@ class MPICommunicator(Communicator):
 
     kind = "mpi"
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, cma=None):
         MPI = mpi()
         if comm is None:
             comm = MPI.COMM_WORLD
@@ -158,16 +161,16 @@ class MPICommunicator(Communicator):
         local.Free()
         cross.Free()
         self._in_place = MPI.IN_PLACE
-        self.cma = None
+        self.cma, self._cma_arg = None, cma
         if self.size == 1:
             self.cma_status = "off: one rank"
         elif self.local_size != self.size:
             self.cma_status = "off: the ranks are not all on one host"
         else:
-            want = np.array([int(config.cma())], np.int32)          # every rank's GRADFUSE_CMA, agreed
+            want = np.array([int(config.cma() if cma is None else bool(cma))], np.int32)     # agreed
             self.data.Allreduce(MPI.IN_PLACE, [want, MPI.INT32_T], op=MPI.MIN)
             if not want[0]:
-                self.cma_status = "off: GRADFUSE_CMA=0"
+                self.cma_status = "off: GRADFUSE_CMA=0" if cma is None else "off: cma=False"
             else:
                 self.cma, self.cma_status = _cma.CMAReducer.probe(self.data)
 
@@ -320,7 +323,7 @@ class MPICommunicator(Communicator):
         sub = self.user_comm.Split(color=color, key=self.rank)
         if sub == mpi().COMM_NULL:
             return None
-        return MPICommunicator(sub)
+        return MPICommunicator(sub, cma=self._cma_arg)
 
     # --- control plane -------------------------------------------------------------
     def ctl_isend(self, data, dest):
