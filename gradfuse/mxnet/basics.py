@@ -13,6 +13,8 @@ from ..runtime import timeline as _timeline
 from .errors import CollectiveMismatchError
 
 _state = {"initialized": False, "ctx": None, "next_id": 1, "sets": {}, "timeline": None}
+#: callables run by ``shutdown()`` (the modules above register what they keep: the scan cache)
+on_shutdown = []
 _lock = threading.Lock()
 
 
@@ -81,6 +83,8 @@ def shutdown():
     for ps in list(_state["sets"].values()):
         ps._invalidate()
     _state["sets"].clear()
+    for fn in on_shutdown:
+        fn()
     _state["initialized"] = False
 
 
