@@ -23,8 +23,10 @@ def refuse(label, error, comm):
     _wait(_coll.refuse_async(label, error, comm))
 
 
-def _tables(label, tensors, names, reduce, comm, outs=()):
-    bad = handoff.not_ndarrays(tensors, names)
+def _tables(label, tensors, names, reduce, comm, outs=(), checked=False):
+    """The call's ``fence.Tables`` after the local checks (``checked``: the caller has
+    already made sure every tensor is an NDArray)."""
+    bad = None if checked else handoff.not_ndarrays(tensors, names)
     if bad is not None:
         refuse(label, bad, comm)
     tables = fence.Tables(list(tensors), list(outs))
@@ -75,8 +77,9 @@ def _allreduce_work(comm, tables, outs, op, names, pre, post):
 
 
 def allreduce(ctx, comm, tensors, outs, op, names, pre, post):
-    """Reduce ``tensors`` into ``outs`` (new NDArrays), or in place when ``outs`` is None."""
-    tables = _tables("allreduce", tensors, names, True, comm, outs or ())
+    """Reduce ``tensors`` (NDArrays: the caller checked) into ``outs`` (new NDArrays), or in
+    place when ``outs`` is None."""
+    tables = _tables("allreduce", tensors, names, True, comm, outs or (), checked=True)
     n = tables.n
     if _fused(tables, op, pre, post, comm.size):
         pipe = handoff.reduce_pipeline(comm, op == "average")
@@ -87,8 +90,8 @@ def allreduce(ctx, comm, tensors, outs, op, names, pre, post):
 
 def matched_allreduce(ctx, comm, matcher, handle, tensors, outs, op, names, pre, post):
     """An async allreduce matched by name (``handle``'s): queued with ``matcher``, whose
-    round runs it once the name is ready on every rank."""
-    tables = _tables("allreduce", tensors, names, True, comm, outs or ())
+    round runs it once the name is ready on every rank (NDArrays: the caller checked)."""
+    tables = _tables("allreduce", tensors, names, True, comm, outs or (), checked=True)
     n = tables.n
     call = handoff.Call(tables, n if outs else 0, f"gradfuse.{handle.name}", names)
     work = _allreduce_work(comm, tables, outs, op, names, pre, post)
