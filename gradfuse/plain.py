@@ -60,20 +60,26 @@ def rows_buckets(step, comm, plain, jobs, vel):
 def reduce_rows(step, comm, buckets, divide, size):
     """Sum the tensors of ``buckets`` where they lie, into the outputs, dividing by
     ``size`` when averaging: no fusion buffer, no pack and no unpack; one
-    ``allreduce_rows`` call per step with one group of rows per dtype."""
+    ``allreduce_rows`` call per step with one group of rows per dtype. The groups' rows,
+    counts and address arrays are kept with the plan, so a step allocates nothing here."""
     entry = step.entry
     key = ("rows",) + tuple(buckets)
-    rows = entry.wire.get(key)
-    if rows is None:           # the plan's rows of each dtype, cached with the plan
+    groups = entry.wire.get(key)
+    if groups is None:           # per dtype: the plan's rows, their counts, address buffers
         by_code = {}
         for b in buckets.values():
             by_code.setdefault(b.code, []).append(np.arange(b.lo, b.hi, dtype=np.int64))
-        rows = entry.wire[key] = [(code, np.concatenate(r)) for code, r in by_code.items()]
-    counts = entry.plan.counts
-    groups = [(code, step.src[r], step.dst[r], counts[r]) for code, r in rows]
+        groups = entry.wire[key] = []
+        for code, r in by_code.items():
+            r = np.concatenate(r)
+            groups.append((code, r, entry.plan.counts[r], np.empty(r.size, np.int64), np.empty(r.size, np.int64)))
+    for _, r, _, src, dst in groups:
+        np.take(step.src, r, out=src)
+        np.take(step.dst, r, out=dst)
     names = lambda: [n for b in buckets.values() for n in bucket_names(step, b)]     # noqa: E731
     with _tl.stage("exchange", "allreduce", names, bytes=sum(b.nbytes for b in buckets.values())):
-        comm.allreduce_rows(groups, size if divide else None)
+        comm.allreduce_rows([(code, src, dst, counts) for code, _, counts, src, dst in groups],
+                            size if divide else None)
 
 
 def reduce_direct(step, comm, b, divide, size):

@@ -157,3 +157,28 @@ def test_bf16_words_follow_the_16_bit_sum(p):
     _run(ranks, cma.BF16, False, 4096, True)
     for _, dst in ranks:
         assert np.array_equal(dst[0], want)
+
+
+def test_tables_may_be_slices_of_a_wider_table():
+    """The address tables are views into the allgather's buffer ([src, dst] per group):
+    rows `stride` apart; a row that is not contiguous int64 is refused."""
+    rng = np.random.default_rng(11)
+    xs = [[rng.standard_normal(n).astype(np.float32) for n in (5, 9000, 3)] for _ in range(2)]
+    want = [x + y for x, y in zip(*xs)]
+    wide = np.zeros((2, 10), np.int64)
+    wide[:, 2:5] = [[a.ctypes.data for a in x] for x in xs]
+    tab = wide[:, 2:5]
+    counts = np.array([5, 9000, 3], np.int64)
+    pids = np.full(2, PID, np.int64)
+    cuts = np.array([0, 4512, 9008], np.int64)
+    scratch = np.empty(8192, np.uint8)
+    for me in range(2):
+        assert _core.peer_reduce(pids, me, tab, tab[me], counts, 2, int(cuts[me]), int(cuts[me + 1]), False, 1.0,
+                                 scratch) == (0, -1)
+    for me in range(2):
+        assert _core.peer_gather(pids, me, tab, counts, 2, cuts) == (0, -1)
+    for x in xs:
+        for got, w in zip(x, want):
+            assert np.array_equal(got, w)
+    with pytest.raises(ValueError, match="contiguous int64"):
+        _core.peer_gather(pids, 0, wide[:, 2:8:2], counts, 2, cuts)

@@ -30,6 +30,7 @@ in ``MPICommunicator.cma_status``. Ranks on several hosts keep the MPI library's
 allreduce (so does the emulated cluster of ``gradfuse.bench.netns``, whose ranks MPICH
 sees as separate hosts).
 """
+import collections
 import os
 
 import numpy as np
@@ -57,10 +58,15 @@ class CMAReducer:
 
     Made by ``probe`` (collectively); used from the communication thread only.
 
+    Attributes:
+        MAX_LAYOUTS: how many group layouts' address tables are kept for reuse.
+
     Args:
         comm: the mpi4py communicator its messages use (all on one host).
         pids: every rank's process id, by rank.
     """
+
+    MAX_LAYOUTS = 64
 
     def __init__(self, comm, pids):
         from mpi4py import MPI
@@ -74,6 +80,7 @@ class CMAReducer:
         self.scratch = self.scratch[skip:skip + piece * self.size]
         self._status = np.zeros(2, dtype=np.int64)
         self._statuses = np.zeros((self.size, 2), dtype=np.int64)
+        self._layouts = collections.OrderedDict()      # groups' (code, rows) -> address tables
 
     @classmethod
     def probe(cls, comm):
@@ -136,25 +143,24 @@ class CMAReducer:
 
         Args:
             groups: ``[(code, src, dst, counts), ...]``, one per dtype: the dtype code
-                (``gradfuse.dtypes.CODE``, or ``BF16`` for bf16 words) and int64 arrays of this rank's source and
-                destination addresses and element counts, row by row (the same rows and
-                counts on every rank). ``src`` and ``dst`` may be the same rows (in place).
+                (``gradfuse.dtypes.CODE``, or ``BF16`` for bf16 words) and int64 arrays
+                of this rank's source and destination addresses and element counts, row
+                by row (the same rows and counts on every rank). ``src`` and ``dst`` may
+                be the same rows (in place).
+
+        A call with the same rows per group as a recent one reuses its address tables
+        (no allocation of its own in a training loop's steady state).
         """
         MPI = self._MPI
-        p, me = self.size, self.rank
-        parts = [a for _, src, dst, _ in groups for a in (src, dst)]
-        mine = np.concatenate(parts).astype(np.int64, copy=False) if parts else np.zeros(0, np.int64)
-        tables = np.empty((p, mine.size), np.int64)
-        self.comm.Allgather([mine, MPI.INT64_T], [tables, MPI.INT64_T])
-        plans, at = [], 0
-        for code, src, _, counts in groups:
+        me = self.rank
+        mine, tables, plans = self._buffers(groups)
+        at = 0
+        for code, src, dst, _ in groups:          # this rank's addresses: [src, dst] per group
             n = src.size
-            src_tab = np.ascontiguousarray(tables[:, at:at + n])
-            dst_tab = np.ascontiguousarray(tables[:, at + n:at + 2 * n])
+            mine[at:at + n] = src
+            mine[at + n:at + 2 * n] = dst
             at += 2 * n
-            counts = np.ascontiguousarray(counts, dtype=np.int64)
-            cuts = self._cuts(int(counts.sum()), _itemsize(code))
-            plans.append((code, src_tab, dst_tab, counts, cuts))
+        self.comm.Allgather([mine, MPI.INT64_T], [tables, MPI.INT64_T])
         err, who = 0, -1
         for code, src_tab, dst_tab, counts, cuts in plans:
             err, who = _core.peer_reduce(self.pids, me, src_tab, dst_tab[me], counts, code, int(cuts[me]),
@@ -168,6 +174,32 @@ class CMAReducer:
             if err:
                 break
         self._fence(err, who, "copying the other ranks' chunks")
+
+    def _buffers(self, groups):
+        """``(mine, tables, plans)`` for groups of these sizes: this rank's address row,
+        every rank's (the allgather's receive buffer) and per group its code, views of
+        the source and destination tables in it, its counts and its chunk cuts; kept for
+        the next call with the same layout (at most ``MAX_LAYOUTS``)."""
+        key = tuple((int(code), int(src.size)) for code, src, _, _ in groups)
+        got = self._layouts.get(key)
+        if got is not None:
+            self._layouts.move_to_end(key)
+            if all(pl[3] is g[3] or np.array_equal(pl[3], g[3]) for pl, g in zip(got[2], groups)):
+                return got            # (the caller's counts array itself, in a training loop)
+        total = 2 * sum(n for _, n in key)
+        mine = np.empty(total, np.int64)
+        tables = np.empty((self.size, total), np.int64)
+        plans, at = [], 0
+        for code, src, _, counts in groups:
+            n = src.size
+            counts = np.ascontiguousarray(counts, dtype=np.int64)
+            plans.append((code, tables[:, at:at + n], tables[:, at + n:at + 2 * n], counts,
+                          self._cuts(int(counts.sum()), _itemsize(code))))
+            at += 2 * n
+        got = self._layouts[key] = (mine, tables, plans)
+        while len(self._layouts) > self.MAX_LAYOUTS:
+            self._layouts.popitem(last=False)
+        return got
 
 
 #: the kernels' code for bf16 words (the bf16 compressor's payload), beside gradfuse.dtypes.CODE

@@ -197,11 +197,12 @@ static void gf_peer_div(int code, void *out, int64_t n, double divisor)
 }
 
 /* Phase 1: chunk [lo, hi) of the vector, summed into this rank's destination rows.
- * src_tab: p x nseg source addresses (row r: rank r's); dst: this rank's destination
- * addresses; scratch: p slots of `piece` bytes (piece a multiple of 64). */
-static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src_tab, const int64_t *dst,
-                          const int64_t *counts, int64_t nseg, int code, int64_t lo, int64_t hi,
-                          int divide, double divisor, uint8_t *scratch, int64_t piece, int *who)
+ * src_tab: p rows of nseg source addresses (row r: rank r's), `stride` elements apart;
+ * dst: this rank's destination addresses; scratch: p slots of `piece` bytes (piece a
+ * multiple of 64). */
+static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src_tab, int64_t stride,
+                          const int64_t *dst, const int64_t *counts, int64_t nseg, int code, int64_t lo,
+                          int64_t hi, int divide, double divisor, uint8_t *scratch, int64_t piece, int *who)
 {
     struct iovec liov[GF_PEER_IOV], riov[GF_PEER_IOV];
     int64_t seg_s[GF_PEER_IOV], seg_off[GF_PEER_IOV], seg_n[GF_PEER_IOV];
@@ -238,7 +239,7 @@ static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src
                 if (p > 2) {         /* own values into the slot: the running sum may overwrite them */
                     done = 0;
                     for (k = 0; k < np; k++) {
-                        memcpy(slot + done, (const uint8_t *) (uintptr_t) src_tab[(int64_t) me * nseg + seg_s[k]]
+                        memcpy(slot + done, (const uint8_t *) (uintptr_t) src_tab[(int64_t) me * stride + seg_s[k]]
                                + seg_off[k] * isz, (size_t) (seg_n[k] * isz));
                         done += seg_n[k] * isz;
                     }
@@ -249,7 +250,7 @@ static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src
             for (k = 0; k < np; k++) {
                 liov[k].iov_base = slot + done;
                 liov[k].iov_len = (size_t) (seg_n[k] * isz);
-                riov[k].iov_base = (void *) (uintptr_t) (src_tab[(int64_t) q * nseg + seg_s[k]] + seg_off[k] * isz);
+                riov[k].iov_base = (void *) (uintptr_t) (src_tab[(int64_t) q * stride + seg_s[k]] + seg_off[k] * isz);
                 riov[k].iov_len = liov[k].iov_len;
                 done += seg_n[k] * isz;
             }
@@ -261,7 +262,7 @@ static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src
             uint8_t *out = (uint8_t *) (uintptr_t) dst[seg_s[k]] + seg_off[k] * isz;
             for (q = 0; q < p; q++)
                 xs[q] = (q == me && p == 2)
-                    ? (const void *) ((const uint8_t *) (uintptr_t) src_tab[(int64_t) me * nseg + seg_s[k]] + seg_off[k] * isz)
+                    ? (const void *) ((const uint8_t *) (uintptr_t) src_tab[(int64_t) me * stride + seg_s[k]] + seg_off[k] * isz)
                     : (const void *) (scratch + (int64_t) q * piece + done);
             gf_peer_add(code, out, xs[0], xs[1], seg_n[k]);
             for (q = 2; q < p; q++) gf_peer_add(code, out, out, xs[q], seg_n[k]);
@@ -275,9 +276,9 @@ static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src
 }
 
 /* Phase 2: every chunk c != me (bounds[c] .. bounds[c + 1]) copied from owner c's
- * destination rows (dst_tab row c) into this rank's (row me). */
-static int gf_peer_gather(int p, int me, const int64_t *pids, const int64_t *dst_tab, const int64_t *counts,
-                          int64_t nseg, int code, const int64_t *bounds, int *who)
+ * destination rows (dst_tab row c, rows `stride` elements apart) into this rank's (row me). */
+static int gf_peer_gather(int p, int me, const int64_t *pids, const int64_t *dst_tab, int64_t stride,
+                          const int64_t *counts, int64_t nseg, int code, const int64_t *bounds, int *who)
 {
     struct iovec liov[GF_PEER_IOV], riov[GF_PEER_IOV];
     const int64_t isz = gf_peer_itemsize(code);
@@ -294,8 +295,8 @@ static int gf_peer_gather(int p, int me, const int64_t *pids, const int64_t *dst
                 int64_t off = pos - cur.base, take = counts[cur.s] - off;
                 if (take > hi - pos) take = hi - pos;
                 if (take * isz > GF_PEER_CALL_MAX - bytes) take = (GF_PEER_CALL_MAX - bytes) / isz;
-                liov[n].iov_base = (void *) (uintptr_t) (dst_tab[(int64_t) me * nseg + cur.s] + off * isz);
-                riov[n].iov_base = (void *) (uintptr_t) (dst_tab[(int64_t) c * nseg + cur.s] + off * isz);
+                liov[n].iov_base = (void *) (uintptr_t) (dst_tab[(int64_t) me * stride + cur.s] + off * isz);
+                riov[n].iov_base = (void *) (uintptr_t) (dst_tab[(int64_t) c * stride + cur.s] + off * isz);
                 liov[n].iov_len = riov[n].iov_len = (size_t) (take * isz);
                 n++;
                 bytes += take * isz;

@@ -5,17 +5,17 @@
 cdef extern from "_peer.h" nogil:
     int GF_PEER_OK
     int gf_peer_read(int64_t pid, int64_t addr, uint8_t* out, int64_t n)
-    int gf_peer_reduce(int p, int me, const int64_t* pids, const int64_t* src_tab, const int64_t* dst,
-                       const int64_t* counts, int64_t nseg, int code, int64_t lo, int64_t hi,
-                       int divide, double divisor, uint8_t* scratch, int64_t piece, int* who)
-    int gf_peer_gather(int p, int me, const int64_t* pids, const int64_t* dst_tab, const int64_t* counts,
-                       int64_t nseg, int code, const int64_t* bounds, int* who)
+    int gf_peer_reduce(int p, int me, const int64_t* pids, const int64_t* src_tab, int64_t stride,
+                       const int64_t* dst, const int64_t* counts, int64_t nseg, int code, int64_t lo,
+                       int64_t hi, int divide, double divisor, uint8_t* scratch, int64_t piece, int* who)
+    int gf_peer_gather(int p, int me, const int64_t* pids, const int64_t* dst_tab, int64_t stride,
+                       const int64_t* counts, int64_t nseg, int code, const int64_t* bounds, int* who)
 
 #: whether this build has cross-memory attach (Linux)
 PEER_SUPPORTED = bool(GF_PEER_OK)
 
 
-cdef int64_t _peer_check(str who, const int64_t[::1] pids, int me, const int64_t[:, ::1] tab,
+cdef int64_t _peer_check(str who, const int64_t[::1] pids, int me, const int64_t[:, :] tab,
                          const int64_t[::1] counts, int code) except -1:
     """Validate a table; return its element count N."""
     cdef Py_ssize_t p = pids.shape[0], nseg = counts.shape[0], i, r
@@ -24,6 +24,8 @@ cdef int64_t _peer_check(str who, const int64_t[::1] pids, int me, const int64_t
         raise ValueError(f"{who}: {p} ranks (2 to 64 supported)")
     if me < 0 or me >= p:
         raise IndexError(f"{who}: rank {me} of {p}")
+    if tab.strides[1] != 8 or tab.strides[0] % 8:
+        raise ValueError(f"{who}: each rank's row of the address table must be contiguous int64")
     if tab.shape[0] != p or tab.shape[1] != nseg:
         raise ValueError(f"{who}: address table of shape ({tab.shape[0]}, {tab.shape[1]}) for {p} ranks "
                          f"and {nseg} rows")
@@ -50,11 +52,12 @@ def peer_read(int64_t pid, int64_t addr, uint8_t[::1] out):
     return err
 
 
-def peer_reduce(const int64_t[::1] pids, int me, const int64_t[:, ::1] src_tab, const int64_t[::1] dst,
+def peer_reduce(const int64_t[::1] pids, int me, const int64_t[:, :] src_tab, const int64_t[::1] dst,
                 const int64_t[::1] counts, int code, int64_t lo, int64_t hi, bint divide, double divisor,
                 uint8_t[::1] scratch):
     """Phase 1 (``_peer.h``): elements ``lo:hi`` of the table, summed over the ranks'
-    source rows ``src_tab`` (ranks x rows) into this rank's destination rows ``dst``,
+    source rows ``src_tab`` (ranks x rows; a slice of a wider table is fine) into this
+    rank's destination rows ``dst``,
     divided by ``divisor`` when ``divide``. ``scratch``: one slot per rank, each of
     ``len(scratch) // ranks`` bytes rounded down to 64. Returns ``(errno, rank)``,
     ``(0, -1)`` when every read succeeded."""
@@ -73,12 +76,12 @@ def peer_reduce(const int64_t[::1] pids, int me, const int64_t[:, ::1] src_tab, 
     if hi == lo:
         return 0, -1
     with nogil:
-        err = gf_peer_reduce(<int> p, me, &pids[0], &src_tab[0, 0], &dst[0], &counts[0], counts.shape[0], code,
-                             lo, hi, divide, divisor, &scratch[0], piece, &who)
+        err = gf_peer_reduce(<int> p, me, &pids[0], &src_tab[0, 0], src_tab.strides[0] // 8, &dst[0], &counts[0],
+                             counts.shape[0], code, lo, hi, divide, divisor, &scratch[0], piece, &who)
     return err, who
 
 
-def peer_gather(const int64_t[::1] pids, int me, const int64_t[:, ::1] dst_tab, const int64_t[::1] counts,
+def peer_gather(const int64_t[::1] pids, int me, const int64_t[:, :] dst_tab, const int64_t[::1] counts,
                 int code, const int64_t[::1] bounds):
     """Phase 2 (``_peer.h``): every chunk but this rank's (``bounds``: ranks + 1 cut
     points of the table's elements) copied from its owner's destination rows (row c of
@@ -95,6 +98,6 @@ def peer_gather(const int64_t[::1] pids, int me, const int64_t[:, ::1] dst_tab, 
     if total == 0:
         return 0, -1
     with nogil:
-        err = gf_peer_gather(<int> p, me, &pids[0], &dst_tab[0, 0], &counts[0], counts.shape[0], code,
-                             &bounds[0], &who)
+        err = gf_peer_gather(<int> p, me, &pids[0], &dst_tab[0, 0], dst_tab.strides[0] // 8, &counts[0],
+                             counts.shape[0], code, &bounds[0], &who)
     return err, who

@@ -162,3 +162,33 @@ def test_off_on_request(world, monkeypatch):
     a = np.full(1 << 18, 1.0, np.float32)
     off.allreduce_inplace(a)
     assert (a == world.size).all()
+
+
+def test_the_intra_host_sum_allocates_nothing_in_steady_state(world):
+    """2000 small tensors summed through the peers' memory, as a training loop's steps
+    call it: from the third call on, ``allreduce_rows`` allocates no block of 4 KiB or
+    more (the address tables are kept per layout; ``plain.reduce_rows`` keeps the rows'
+    address arrays with the plan)."""
+    import tracemalloc
+    from gradfuse.runtime.context import default_context
+    c = default_context().comm
+    if c.cma is None:
+        pytest.skip(c.cma_status)
+    sizes = np.random.default_rng(5).integers(100, 5000, 2000)        # the same shapes on every rank
+    rng = np.random.default_rng(world.rank)
+    grads = [rng.standard_normal(int(n)).astype(np.float32) for n in sizes]
+    rows = np.array([g.ctypes.data for g in grads], np.int64)
+    counts = np.array(sizes, np.int64)
+    groups = [(2, rows, rows, counts)]
+    for _ in range(2):
+        c.allreduce_rows(groups, 2.0)
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        cur0, _ = tracemalloc.get_traced_memory()
+        for _ in range(3):
+            c.allreduce_rows(groups, 2.0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak - cur0 < 4096, f"the calls' allocations peaked {peak - cur0} bytes above their start"
