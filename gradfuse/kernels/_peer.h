@@ -44,6 +44,13 @@
 #include <sys/types.h>
 #include "_half.h"
 #include "_cast.h"
+#include "_simd.h"
+#if GF_X86 && (defined(__GNUC__) || defined(__clang__))
+#include <emmintrin.h>
+#define GF_PEER_NT 1
+#else
+#define GF_PEER_NT 0
+#endif
 
 #if defined(__linux__)
 #include <sys/uio.h>
@@ -196,6 +203,61 @@ static void gf_peer_div(int code, void *out, int64_t n, double divisor)
     }
 }
 
+/* Two ranks, out of place, float32/float64: out[i] = (a[i] + b[i]) [/ d] in one pass with
+ * non-temporal stores, so the destination's lines are not read for ownership first (a
+ * third of phase 1's memory traffic out of place). The same operations, so the same bits,
+ * as gf_peer_add then gf_peer_div. Returns 0 where it does not apply (the caller then
+ * takes the plain loops). The stores are ordered before the fence by gf_peer_sfence. */
+static int gf_peer_add2_stream(int code, void *out, const void *a, const void *b, int64_t n,
+                               int divide, double divisor)
+{
+#if GF_PEER_NT
+    int64_t i = 0;
+    if (n < 4096 || (code != GF_PEER_F32 && code != GF_PEER_F64)) return 0;
+    if (code == GF_PEER_F32) {
+        float *o = (float *) out;
+        const float *x = (const float *) a, *y = (const float *) b;
+        const float fd = (float) divisor;
+        if ((uintptr_t) o % 4) return 0;
+        for (; i < n && ((uintptr_t) (o + i) % 16); i++) o[i] = divide ? (x[i] + y[i]) / fd : x[i] + y[i];
+        if (divide) {
+            const __m128 vd = _mm_set1_ps(fd);
+            for (; i + 4 <= n; i += 4)
+                _mm_stream_ps(o + i, _mm_div_ps(_mm_add_ps(_mm_loadu_ps(x + i), _mm_loadu_ps(y + i)), vd));
+        } else {
+            for (; i + 4 <= n; i += 4)
+                _mm_stream_ps(o + i, _mm_add_ps(_mm_loadu_ps(x + i), _mm_loadu_ps(y + i)));
+        }
+        for (; i < n; i++) o[i] = divide ? (x[i] + y[i]) / fd : x[i] + y[i];
+    } else {
+        double *o = (double *) out;
+        const double *x = (const double *) a, *y = (const double *) b;
+        if ((uintptr_t) o % 8) return 0;
+        for (; i < n && ((uintptr_t) (o + i) % 16); i++) o[i] = divide ? (x[i] + y[i]) / divisor : x[i] + y[i];
+        if (divide) {
+            const __m128d vd = _mm_set1_pd(divisor);
+            for (; i + 2 <= n; i += 2)
+                _mm_stream_pd(o + i, _mm_div_pd(_mm_add_pd(_mm_loadu_pd(x + i), _mm_loadu_pd(y + i)), vd));
+        } else {
+            for (; i + 2 <= n; i += 2)
+                _mm_stream_pd(o + i, _mm_add_pd(_mm_loadu_pd(x + i), _mm_loadu_pd(y + i)));
+        }
+        for (; i < n; i++) o[i] = divide ? (x[i] + y[i]) / divisor : x[i] + y[i];
+    }
+    return 1;
+#else
+    (void) code; (void) out; (void) a; (void) b; (void) n; (void) divide; (void) divisor;
+    return 0;
+#endif
+}
+
+static inline void gf_peer_sfence(void)
+{
+#if GF_PEER_NT
+    _mm_sfence();
+#endif
+}
+
 /* Phase 1: chunk [lo, hi) of the vector, summed into this rank's destination rows.
  * src_tab: p rows of nseg source addresses (row r: rank r's), `stride` elements apart;
  * dst: this rank's destination addresses; scratch: p slots of `piece` bytes (piece a
@@ -264,6 +326,11 @@ static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src
                 xs[q] = (q == me && p == 2)
                     ? (const void *) ((const uint8_t *) (uintptr_t) src_tab[(int64_t) me * stride + seg_s[k]] + seg_off[k] * isz)
                     : (const void *) (scratch + (int64_t) q * piece + done);
+            if (p == 2 && out != xs[0] && out != xs[1]
+                    && gf_peer_add2_stream(code, out, xs[0], xs[1], seg_n[k], divide, divisor)) {
+                done += seg_n[k] * isz;
+                continue;                                  /* out of place: streamed */
+            }
             gf_peer_add(code, out, xs[0], xs[1], seg_n[k]);
             for (q = 2; q < p; q++) gf_peer_add(code, out, out, xs[q], seg_n[k]);
             if (divide) gf_peer_div(code, out, seg_n[k], divisor);
@@ -272,6 +339,7 @@ static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src
         cur = c;
         pos = end;
     }
+    gf_peer_sfence();              /* streamed stores land before the fence lets peers read */
     return 0;
 }
 
