@@ -10,7 +10,9 @@ default): the step time with ``pipeline_buckets=False`` and ``True`` (and with
 C B A round by round in the same run; the compute time: the same step alone on one rank
 (``COMM_SELF``: no network, one payload to decode) and, for reference, the kernels alone
 (the communication thread's pack, compress, decompress and unpack spans of gradfuse's
-timeline in serial steps of their own); the bytes that left and entered this host's
+timeline in serial steps of their own); with ``--whole``, also pipelined with every 16-bit
+bucket moved whole between 2 hosts (parts as large as the largest bucket: the design
+before ``AllreduceJob.PART_WORDS`` bounded them, ``runtime.overlap._run16``); the bytes that left and entered this host's
 ``eth0`` per step (``/sys/class/net/eth0/statistics``; the tbf queues shape both), so
 wire = max(sent, received) / link rate; and the ratio pipelined / max(compute, wire),
 issue 16's target <= 1.2. The tc counters of the whole run are printed as a check that the traffic crossed
@@ -37,13 +39,14 @@ def _net(name):
         return 0
 
 
-def worker(out, methods, rounds, threshold, blocking=False):
+def worker(out, methods, rounds, threshold, blocking=False, whole=False):
     from mpi4py import MPI
 
     import gradfuse
     from gradfuse.bench.sets import make_set, resnet50_shapes
     from gradfuse.runtime import overlap, timeline
-    polling = overlap.PollingComm
+    from gradfuse.compressors.exchange import AllreduceJob
+    polling, part_words = overlap.PollingComm, AllreduceJob.PART_WORDS
 
     gradfuse.init()
     world = MPI.COMM_WORLD
@@ -68,15 +71,17 @@ def worker(out, methods, rounds, threshold, blocking=False):
 
         for flag in (False, True, False, True):
             step(flag)                                   # warm-up: plans, buffers
-        times = {False: [], True: [], "blocking": []}
+        times = {False: [], True: [], "blocking": [], "whole": []}
         wire = []
-        variants = [False, True, "blocking"] if blocking else [False, True]
+        variants = [False, True] + (["blocking"] if blocking else []) + (["whole"] if whole else [])
         for r in range(rounds):
             for v in (variants if r % 2 == 0 else variants[::-1]):
                 if v == "blocking":        # the design measured against: blocking waits on the thread
                     overlap.PollingComm = lambda comm: comm
+                if v == "whole":           # 16-bit buckets moved whole, not in parts of the threshold
+                    AllreduceJob.PART_WORDS = 1 << 62
                 t, tx, rx = step(v is not False)
-                overlap.PollingComm = polling
+                overlap.PollingComm, AllreduceJob.PART_WORDS = polling, part_words
                 times[v].append(t)
                 wire.append(max(tx, rx))
         # compute: the serial step's kernel stages, from the timeline (steps of their own)
@@ -111,6 +116,8 @@ def worker(out, methods, rounds, threshold, blocking=False):
         plan = next(iter(pipes[True]._plans.values())).plan
         results[method] = {"serial": statistics.median(times[False]), "pipelined": statistics.median(times[True]),
                            "blocking": statistics.median(times["blocking"]) if times["blocking"] else None,
+                           "whole": statistics.median(times["whole"]) if times["whole"] else None,
+                           "whole_all": times["whole"],
                            "serial_all": times[False], "pipelined_all": times[True],
                            "wire_bytes": statistics.median(wire), "compute": compute,
                            "stages": per_stage, "solo": statistics.median(solo_t),
@@ -119,7 +126,8 @@ def worker(out, methods, rounds, threshold, blocking=False):
         if me == 0:
             r = results[method]
             sys.stderr.write(f"  {method}: serial {r['serial'] * 1e3:.1f} ms, pipelined {r['pipelined'] * 1e3:.1f} ms, "
-                             + (f"blocking waits {r['blocking'] * 1e3:.1f} ms, " if blocking else "") +
+                             + (f"blocking waits {r['blocking'] * 1e3:.1f} ms, " if blocking else "")
+                             + (f"16-bit buckets whole {r['whole'] * 1e3:.1f} ms, " if whole else "") +
                              f"compute {compute * 1e3:.1f} ms, alone {r['solo'] * 1e3:.1f} ms, "
                              f"wire {r['wire_bytes'] / 1e6:.2f} MB/step; serial stages (ms): "
                              + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(per_stage.items())) + "\n")
@@ -143,10 +151,12 @@ def main(argv=None):
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--blocking", action="store_true",
                     help="also time the pipelined step with blocking waits on the exchange thread")
+    ap.add_argument("--whole", action="store_true",
+                    help="also time the pipelined step with 16-bit buckets moved whole between 2 hosts")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        return worker(a.worker, a.methods.split(","), a.rounds, a.fusion_threshold, a.blocking)
+        return worker(a.worker, a.methods.split(","), a.rounds, a.fusion_threshold, a.blocking, a.whole)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory(prefix="gf-pipe-") as tmp:
@@ -157,6 +167,8 @@ def main(argv=None):
             argv_w += ["--fusion-threshold", str(a.fusion_threshold)]
         if a.blocking:
             argv_w.append("--blocking")
+        if a.whole:
+            argv_w.append("--whole")
         load0 = os.getloadavg()
         if a.place == "local":
             rc = subprocess.run([mpiexec, "-n", str(a.hosts)] + argv_w, env=env).returncode
@@ -179,10 +191,10 @@ def main(argv=None):
     if tc:
         print("# tc bytes this run (sent by host, received by host): "
               + ", ".join(f"{h}: {s / 1e6:.1f} / {r / 1e6:.1f} MB" for h, (s, r) in tc.items()))
-    blk = " pipelined, blocking waits |" if a.blocking else ""
+    blk = (" pipelined, blocking waits |" if a.blocking else "") + (" pipelined, 16-bit whole |" if a.whole else "")
     print("| compressor | buckets | kernels | compute (1 rank) | wire MB/step | wire time | bound | serial |" + blk +
           " pipelined | pipelined / bound | serial / pipelined |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if a.blocking else "") + "---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (a.blocking + a.whole) + "---:|---:|---:|")
     rows = {}
     for m in a.methods.split(","):
         per = [r[m] for r in res["ranks"]]
@@ -197,6 +209,8 @@ def main(argv=None):
                        pipelined=piped, buckets=per[0]["buckets"], runs=per[0]["pipelined_runs"])
         bcol = f" {max(r['blocking'] for r in per) * 1e3:.1f} ms |" if a.blocking else ""
         rows[m]["blocking"] = max(r["blocking"] for r in per) if a.blocking else None
+        rows[m]["whole"] = max(r["whole"] for r in per) if a.whole else None
+        bcol += f" {rows[m]['whole'] * 1e3:.1f} ms |" if a.whole else ""
         print(f"| {m} | {per[0]['buckets']} | {kernels * 1e3:.1f} ms | {compute * 1e3:.1f} ms | {wb / 1e6:.2f} | "
               f"{wire * 1e3:.1f} ms | "
               f"{bound * 1e3:.1f} ms | {serial * 1e3:.1f} ms |{bcol} {piped * 1e3:.1f} ms | {piped / bound:.2f} | "

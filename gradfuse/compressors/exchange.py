@@ -110,7 +110,6 @@ class BucketJob:
         self.velocity = None          # (x, u) once apply_velocity ran: what the compressor read, u
         self.stream = False           # decoded right after its exchange, in shared buffers (the step cannot fail)
         self.slot = 0                 # streamed and pipelined (runtime.overlap): which of two shared buffers
-        self.split = False            # 2-rank pipelined 16-bit sum: the transfer alone in exchange()
 
     def apply_velocity(self, velocity):
         """DGC's momentum correction (``gradfuse.compressors.momentum``): update this rank's
@@ -213,86 +212,187 @@ class AllgatherJob(BucketJob):
 
 
 class AllreduceJob(BucketJob):
-    """fp16/bf16: the network sums the 16-bit payloads (MPI user op, float32 add rounded once)."""
+    """fp16/bf16: the network sums the 16-bit payloads (MPI user op, float32 add rounded once).
+
+    Between 2 hosts (``runtime.overlap``) the words cross as a swap with the peer instead
+    (``comm.swap16``), at most ``PART_WORDS`` words at a time, each added at once; a pipelined
+    step of 16-bit buckets alone moves ``parts`` (``Part16``) instead of whole buckets."""
 
     algorithm = "allreduce"
+    #: the most 16-bit words one swap (one part) moves between 2 hosts: 1 MiB, so the
+    #: pipelined step's four shared buffers hold at most 4 MiB whatever the largest tensor
+    #: (ResNet-50's: 2.36 M elements). Measured on 2 emulated hosts (docs/benchmarks.md,
+    #: "Memory"): ResNet-50's fp16 step holds 0.055x / 0.091x / 0.20x of S with parts of
+    #: 512 KiB / 1 MiB / 2 MiB (0.32x whole: the allocator keeps MPI's freed buffers of the
+    #: larger messages), and each part costs a hand-over between the threads and the
+    #: ranks: on loaded cores 512 KiB parts were up to 1.14x slower than whole buckets,
+    #: 1 MiB parts no slower
+    PART_WORDS = 1 << 19
 
     def __init__(self, task):
         super().__init__(task)
         self.native = self.comp.native_sum(self.comm)
-        self.peer16 = None         # split (runtime.overlap): the peer's words, until decode() adds them
+        predivide = self.comp.options.get("predivide") or self.native
+        self.prescale = float(self.comm.size) if predivide and self.divisor != 1.0 else 1.0
+        self.divisor_after = 1.0 if self.prescale != 1.0 else self.divisor
+        self.buf = None
+        self.bad16 = 0             # inf/NaN words in the sum (summed over its parts)
 
     def compress(self):
         bk = self.bk
         if self.stream:            # one bucket at a time: the plan's shared buffer (two, pipelined)
             buf = self.slot_buffer("u16", lambda n: bk.empty_bytes(2 * n).view(np.uint16))
         elif bk.device == "cpu":   # held until the step's verdict: this step's only (host)
-            buf = bk.empty_bytes(2 * self.n).view(np.uint16)
+            buf = self.own16()
         else:
             buf = self.cache.get("buf16")
             if buf is None or buf.size != self.n:
                 buf = bk.empty_bytes(2 * self.n).view(np.uint16)
                 self.cache["buf16"] = buf
-        predivide = self.comp.options.get("predivide") or self.native
-        prescale = float(self.comm.size) if predivide and self.divisor != 1.0 else 1.0
         e_in, e_out = self.residuals()
         if e_in.size or not self.fused():
             g = bk.gather_f32(self.src, self.n)
-            if prescale != 1.0:
-                g = np.divide(g, np.float32(prescale), dtype=np.float32)
+            if self.prescale != 1.0:
+                g = np.divide(g, np.float32(self.prescale), dtype=np.float32)
             self.reference_compress(g, [buf])
-            ovf = unf = 0
         else:
-            ovf, unf = self.comp.pack(self.src, buf, prescale, self.ctx)
-        self.stats.cast_overflow += ovf
-        self.stats.cast_underflow += unf
-        self.divisor_after = 1.0 if prescale != 1.0 else self.divisor
+            self.cast(self.src, buf)
         self.buf = buf
 
-    def slot_buffer(self, name, alloc):
-        """The plan's shared 16-bit buffer ``name`` of this job's slot (``slot`` 0 or 1: two
-        of each serve a double-buffered step), grown to ``n`` words, ``alloc(n)`` makes one."""
-        key = name if self.slot == 0 else name + "b"
+    def cast(self, src, buf):
+        """The fused pack + cast of table ``src`` into ``buf``, its overflow counted."""
+        ovf, unf = self.comp.pack(src, buf, self.prescale, self.ctx)
+        self.stats.cast_overflow += ovf
+        self.stats.cast_underflow += unf
+
+    def own16(self):
+        """This step's own 16-bit buffer of the whole bucket (host; held until the verdict)."""
+        if self.buf is None or self.buf.size != self.n:
+            self.buf = self.bk.empty_bytes(2 * self.n).view(np.uint16)
+        return self.buf
+
+    def slot_buffer(self, name, alloc, n=None, slot=None):
+        """The plan's shared 16-bit buffer ``name`` of slot ``slot`` (default: this job's;
+        0 or 1: two of each serve a double-buffered step), grown to ``n`` words (default:
+        the bucket's); ``alloc(n)`` makes one."""
+        n = self.n if n is None else n
+        slot = self.slot if slot is None else slot
+        key = name if slot == 0 else name + "b" if slot == 1 else f"{name}.{slot}"
         buf = self.scratch.get(key)
-        if buf is None or buf.size < self.n:
-            buf = self.scratch[key] = alloc(max(self.n, 1))
-        return buf[:self.n]
+        if buf is None or buf.size < n:
+            buf = self.scratch[key] = alloc(max(n, 1))
+        return buf[:n]
+
+    def recv16(self, n, slot=None):
+        """The shared receive buffer of ``n`` words for a swap."""
+        return self.slot_buffer("r16", lambda m: np.empty(m, np.uint16), n, slot)
 
     def exchange(self):
-        if (self.split or getattr(self.comm, "swaps16", False)) and not self.native:
-            # runtime.overlap, 2 hosts: the words cross on the exchange thread, polled;
-            # split, decode() adds them on the communication thread, else they are added here
-            tmp = self.slot_buffer("r16", lambda n: np.empty(n, np.uint16))
-            self.peer16 = self.comm.swap16(self.buf, tmp)
-            if self.split:
-                return
-            self.add_peer()
+        if getattr(self.comm, "swaps16", False) and not self.native:
+            # runtime.overlap, 2 hosts: the words cross on the exchange thread, polled, at
+            # most ``PART_WORDS`` at a time (the receive buffer is that long), each added at once
+            step = max(1, min(self.PART_WORDS, self.n))
+            for a in range(0, self.n, step):
+                b = min(a + step, self.n)
+                self.comp.add16(self.comm.swap16(self.buf[a:b], self.recv16(b - a)), self.buf[a:b])
+            self.summed(self.buf)
             return
         self.comm.allreduce16(self.buf, self.comp.fmt, native=self.native)
-        self.summed()
+        self.summed(self.buf)
 
-    def add_peer(self):
-        """The peer's words (``peer16``, from ``comm.swap16``) into ``buf``: one float32 add
-        rounded once per element, the bits of MPI's user-op allreduce on 2 ranks; then as
-        after any 16-bit sum (``summed``)."""
-        self.comp.add16(self.peer16, self.buf)
-        self.peer16 = None
-        self.summed()
-
-    def summed(self):
-        """Count the bytes and check the 16-bit sum for inf/NaN (``buf`` holds the sum)."""
-        bk, buf = self.bk, self.buf
-        p = self.comm.size
-        self.stats.bytes_sent += ring_bytes(2 * self.n, p)
-        bad = self.comp.count_nonfinite(buf, bk)
+    def summed(self, buf):
+        """After a 16-bit sum of ``buf`` (the bucket's, or a part's words): count the bytes
+        and check the sum for inf/NaN."""
+        self.stats.bytes_sent += ring_bytes(2 * buf.size, self.comm.size)
+        bad = self.comp.count_nonfinite(buf, self.bk)
         if bad:
+            self.bad16 += bad
             self.nonfinite_ranks = ["?"]
-            self.nonfinite_detail = (f"the {self.comp.name} sum holds {bad} inf/NaN value(s): an input was "
+            self.nonfinite_detail = (f"the {self.comp.name} sum holds {self.bad16} inf/NaN value(s): an input was "
                                      f"non-finite or the sum overflowed {self.comp.name}"
                                      + (" (largest 65504; try predivide=True or bf16)" if self.comp.fmt == 1 else ""))
 
     def decode(self):
-        if self.split:      # the peer's words, received by exchange()
-            self.add_peer()
         self.write_sum([self.buf.reshape(1, -1)], self.divisor_after)
         self.commit()
+
+    def parts(self):
+        """The bucket as ``Part16``s of at most ``PART_WORDS`` words each (equal but for one
+        word; one part when it is no longer), in order. Host, fused, no residual."""
+        k = max(1, -(-self.n // self.PART_WORDS))
+        cuts = [i * self.n // k for i in range(k + 1)]
+        srcs, dsts = sub_tables(self.src, cuts), sub_tables(self.dst, cuts)
+        return [Part16(self, cuts[i], cuts[i + 1], srcs[i], dsts[i], i == k - 1) for i in range(k)]
+
+
+def sub_tables(table, cuts):
+    """A bucket's float32 table ``(pointers, element offsets, counts, lo, hi)`` cut at the
+    element offsets ``cuts`` (ascending, from 0 to the bucket's count): one table per
+    piece, its element offsets counted from the piece's start. One piece: the table."""
+    if len(cuts) == 2:
+        return [table]
+    ptrs, off, cnt, lo, hi = table
+    rows = [(int(ptrs[i]), int(off[i]), int(cnt[i])) for i in range(lo, hi) if cnt[i] > 0]
+    out, r = [], 0
+    for e0, e1 in zip(cuts[:-1], cuts[1:]):
+        while r < len(rows) and rows[r][1] + rows[r][2] <= e0:
+            r += 1
+        piece, j = [], r
+        while j < len(rows) and rows[j][1] < e1:
+            p, o, c = rows[j]
+            s, e = max(o, e0), min(o + c, e1)
+            piece.append((p + 4 * (s - o), s - e0, e - s))
+            j += 1
+        t = np.array(piece, np.int64).reshape(-1, 3).T.copy()
+        out.append((t[0], t[1], t[2], 0, len(piece)))
+    return out
+
+
+class Part16:
+    """Words ``e0 .. e1-1`` of a 16-bit ``AllreduceJob``'s bucket: what the pipelined
+    16-bit step on 2 hosts moves (``runtime.overlap._run16``), so that its shared buffers
+    (two to cast into, two to receive into) hold a part, at most ``PART_WORDS``, not the
+    largest bucket. Streamed, it is cast into the shared buffer of its
+    ``slot``, crosses on the exchange thread, and ``decode`` adds the peer's words (one
+    float32 add rounded once per element: the serial sum's bits, element by element) and
+    writes its outputs; the last part commits the job. Not streamed, it is cast into the
+    job's own buffer (``own16``), added on the exchange thread, and the job is decoded
+    whole after the step's verdict. Stages and timeline spans as a job's (``bucket``,
+    ``algorithm``, ``names``: the job's)."""
+
+    algorithm = "allreduce"
+
+    def __init__(self, job, e0, e1, src, dst, last):
+        self.job, self.e0, self.e1, self.n = job, e0, e1, e1 - e0
+        self.src, self.dst, self.last = src, dst, last
+        self.bucket = job.bucket
+        self.names = getattr(job, "names", ())
+        self.stream, self.slot = True, 0
+        self.buf = self.peer = None
+
+    def compress(self):
+        job = self.job
+        if self.stream:
+            self.buf = job.slot_buffer("u16", lambda n: job.bk.empty_bytes(2 * n).view(np.uint16), self.n, self.slot)
+        else:
+            self.buf = job.own16()[self.e0:self.e1]
+        job.cast(self.src, self.buf)
+
+    def exchange(self):
+        self.peer = self.job.comm.swap16(self.buf, self.job.recv16(self.n, self.slot))
+        if not self.stream:
+            self.add()
+
+    def add(self):
+        """The peer's words into this part's: the 16-bit sum."""
+        job = self.job
+        job.comp.add16(self.peer, self.buf)
+        self.peer = None
+        job.summed(self.buf)
+
+    def decode(self):
+        job = self.job
+        self.add()
+        job.comp.decompress_sum_table([self.buf.reshape(1, -1)], self.dst, job.divisor_after, job.ctx)
+        if self.last:
+            job.commit()

@@ -24,8 +24,9 @@ fp16/bf16 buckets alone from 3 ranks on or on one host (their 16-bit allreduce i
 blocking call with a user-defined op: measured slower pipelined). Between 2 ranks on 2
 hosts (``swaps16``) the exchange thread swaps a 16-bit bucket's words with the peer by
 polled point-to-point calls instead (``PollingComm.swap16``; added, they are the bits of
-MPI's call), and a step of fp16/bf16 buckets alone runs pipelined (``_run16``): the
-communication thread casts bucket i+1 while bucket i crosses, then adds and decodes it.
+MPI's call), at most ``AllreduceJob.PART_WORDS`` at a time, and a step of fp16/bf16
+buckets alone runs pipelined (``_run16``): the communication thread casts part i+1 (a
+bucket, or a piece of a larger one) while part i crosses, then adds and decodes it.
 
 Errors: the first error of an exchange (a raise in the job, a failed collective) stops
 the exchange thread's part of the step: the buckets queued after it are dropped, not
@@ -93,7 +94,8 @@ def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
     ``Overlap``, or None for serial) where ``enabled`` and some job's collective is
     ``polled`` (a streamed step: every job's), else one after the other."""
     on = ov is not None and len(jobs) >= 2 and enabled(comm, device)
-    if on and callable(stream) and all(j.algorithm == "allreduce" and polled(j, comm) for j in jobs):
+    if (on and callable(stream) and all(j.algorithm == "allreduce" and polled(j, comm) and not j.state.cur.size
+                                        for j in jobs)):
         return _run16(ov, comm, jobs, stream, compress, exchange, decode)
     if callable(stream):
         stream = stream()
@@ -112,22 +114,36 @@ def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
     ov.run(jobs, compress, exchange)
 
 
+#: how many parts the communication thread casts ahead of the transfer in a pipelined
+#: 16-bit step (``_run16``): AHEAD16 + 1 cast and as many receive buffers serve the step
+AHEAD16 = 1
+
+
 class _Unstreamed(Exception):
     """The step's check said its 16-bit buckets may fail: stop the streamed hand-over."""
 
 
 def _run16(ov, comm, jobs, can_stream, compress, exchange, decode):
-    """A step of 16-bit buckets alone on 2 ranks on 2 hosts. Bucket 0 is cast and handed to
-    the exchange thread first, and the step's check (``can_stream``: max |x| over every
-    input, one max-allreduce) runs while its words cross. Streamed, the communication
-    thread then casts bucket i+1 while bucket i crosses, and adds and decodes each bucket
-    after its transfer, in two shared buffers (``Overlap.run(ahead=1)``). If the check
-    says a bucket may fail, bucket 0 is added at once and keeps its buffer, and the other
-    buckets run as a step that is not streamed: each its own buffer, pipelined, decoded
-    after the step's verdict. The same bits either way (the serial step's)."""
+    """A step of 16-bit buckets alone (no residual) on 2 ranks on 2 hosts, moved as parts
+    of at most ``AllreduceJob.PART_WORDS`` words (``AllreduceJob.parts``: a larger bucket,
+    such as one large tensor, is cut, so the four shared 16-bit buffers below are bounded
+    by that, not by the largest tensor). Part 0 is cast and handed to the
+    exchange thread first, and the step's check (``can_stream``: max |x| over every input,
+    one max-allreduce) runs while its words cross. Streamed, the communication thread then
+    casts part i+1 while part i crosses, and adds and decodes each part after its
+    transfer, in two shared cast buffers and two shared receive buffers
+    (``Overlap.run(ahead=1)``). If the check says a bucket may fail, part 0 is added at
+    once and copied into its bucket's own buffer, and the other parts run as a step that
+    is not streamed: each bucket its own buffer, the parts added on the exchange thread,
+    every bucket decoded after the step's verdict. The same bits either way (the serial
+    step's: the sum is one add per element)."""
     polling = PollingComm(comm)
-    for i, job in enumerate(jobs):      # double-buffered: the calling thread runs one bucket ahead
-        job.comm, job.stream, job.slot, job.split = polling, True, i % 2, True
+    parts = []
+    for job in jobs:         # double-buffered: the calling thread runs one part ahead
+        job.comm, job.stream = polling, True
+        parts.extend(job.parts())
+    for i, part in enumerate(parts):
+        part.slot = i % (AHEAD16 + 1)
     checked = []
 
     def check():
@@ -136,26 +152,27 @@ def _run16(ov, comm, jobs, can_stream, compress, exchange, decode):
         if not checked[0]:
             raise _Unstreamed
 
-    def first(job):
-        if job is not jobs[0]:
+    def first(part):
+        if part is not parts[0]:
             check()
-        compress(job)
+        compress(part)
 
-    def after(job):
+    def after(part):
         check()
-        decode(job)
+        decode(part)
     try:
-        ov.run(jobs, first, exchange, ahead=1, after=after)
+        ov.run(parts, first, exchange, ahead=AHEAD16, after=after)
         return
     except _Unstreamed:
         pass
-    finally:
-        for job in jobs:
-            job.split = False
-    jobs[0].add_peer()          # bucket 0 crossed: its sum, now, in the buffer it keeps
+    p0 = parts[0]
+    p0.add()                 # part 0 crossed: its sum, now, into its bucket's own buffer
+    p0.job.own16()[p0.e0:p0.e1] = p0.buf
     for job in jobs:
         job.stream = False
-    ov.run(jobs[1:], compress, exchange)
+    for part in parts[1:]:
+        part.stream = False
+    ov.run(parts[1:], compress, exchange)
 
 
 class PollingComm:

@@ -129,6 +129,55 @@ def test_16bit_steps_between_hosts_are_the_serial_bits(world, monkeypatch, name,
     assert same(ra, rb)
 
 
+def test_16bit_parts_bound_the_shared_buffers(world, monkeypatch):
+    """Between 2 hosts a 16-bit bucket of more than ``AllreduceJob.PART_WORDS`` words (512
+    here; one large tensor, or several) moves as parts of at most that many: the step's four
+    shared 16-bit buffers (two cast, two receive) hold no more than that, not the largest bucket;
+    the bits are the serial step's, also when the step cannot stream (a value near fp16's
+    top in part 0 of a cut bucket 0, and in a later part of another) and when it is refused
+    (an inf in a later part)."""
+    from gradfuse.compressors.exchange import AllreduceJob
+    from gradfuse.runtime import overlap
+    monkeypatch.setattr(overlap, "SERIAL16_ON_ONE_HOST", False)
+    monkeypatch.setattr(AllreduceJob, "PART_WORDS", 512)
+    rank, p = world.Get_rank(), world.Get_size()
+    sizes = (5000, 300, 17, 1200, 2048, 513, 511)
+
+    def grads(step):
+        rng = np.random.default_rng([rank, step, 17])
+        g = {f"t{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(sizes)}
+        for i, s in enumerate((400, 500, 100)):      # one float16 bucket of 1000, cut inside h1
+            g[f"h{i}"] = rng.standard_normal(s).astype(np.float16)
+        return g
+    a, b = pair("fp16", {})
+    for step in range(3):
+        ra, rb = a.allreduce(grads(step)), b.allreduce(grads(step))
+        assert same(ra, rb), step
+    assert a.stats.as_dict() == b.stats.as_dict()
+    if p == 2:
+        scratch = next(iter(a._plans.values())).wire["scratch"]
+        assert sorted(scratch) == ["r16", "r16b", "u16", "u16b"]
+        assert max(v.size for v in scratch.values()) <= 512
+    for where in ((0, 4000), (4, 1500)):      # not streamed: decoded after the verdict
+        g = grads(5)
+        if rank == 0:
+            g[f"t{where[0]}"][where[1]] = np.float32(40000.0)
+        assert same(a.allreduce(g), b.allreduce(g)), where
+    g = grads(6)
+    if rank == p - 1:
+        g["t3"][1100] = np.inf
+    errors = []
+    for pipe in (a, b):
+        with pytest.raises(NonFiniteError, match="NaN/Inf in the step's gradients") as exc:
+            pipe.allreduce(g)
+        errors.append(str(exc.value))
+    assert errors[0] == errors[1]
+    ra, rb = a.allreduce(grads(7)), b.allreduce(grads(7))
+    assert same(ra, rb)
+    assert a.stats.as_dict() == b.stats.as_dict()
+    assert a._cfg.overlap.runs == (4 + 3 * 2 if p == 2 else 0)     # a step that cannot stream: 2 hand-overs
+
+
 @pytest.mark.parametrize("name,opts", [("1bit", {"algorithm": "twophase"}), ("topk", {"ratio": 0.1}),
                                        ("fp16", {})])
 def test_nonfinite_skip_and_raise_unchanged(world, name, opts):
