@@ -120,12 +120,22 @@ class BucketJob:
             self.velocity = (x, self.state.vel_nxt)
 
     def scratch_f32(self, n):
-        """A float32 work array of ``n`` elements shared by the plan's buckets: valid until
-        the next job asks for one (the buckets' stages run one at a time), so a plan keeps
-        one, the size of its largest request, instead of one per bucket."""
-        buf = self.scratch.get("f32")
+        """A float32 work array of ``n`` elements shared by the plan's buckets, for the
+        exchange stage (``shared("f32", ...)``)."""
+        return self.shared("f32", n, np.float32)
+
+    def shared(self, name, n, dtype):
+        """A work array ``name`` of ``n`` elements of ``dtype`` shared by the plan's buckets
+        (64-byte aligned): valid until the next job asks for the same name, so a plan keeps
+        one, the size of its largest request, instead of one per bucket. A name belongs to
+        one stage kind: those of ``exchange`` run one at a time on the exchange thread (or
+        serially), those of ``compress`` and ``decode`` one at a time on the communication
+        thread, so a name used by one kind only is never used twice at once, also pipelined
+        (``gradfuse.runtime.overlap``)."""
+        buf = self.scratch.get(name)
         if buf is None or buf.size < n:
-            buf = self.scratch["f32"] = self.bk.empty(max(int(n), 1), np.float32)
+            size = max(int(n), 1)
+            buf = self.scratch[name] = self.bk.empty_bytes(size * np.dtype(dtype).itemsize).view(dtype)[:size]
         return buf[:n]
 
     def fused(self):

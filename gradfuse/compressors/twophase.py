@@ -61,6 +61,9 @@ class TwoPhaseJob(BucketJob):
     """
 
     algorithm = "twophase"
+    #: the most elements the server sums and compresses at once (``_server_pieces``): a
+    #: 1 MiB float32 work array, the default fusion bucket's, instead of the largest chunk
+    SERVER_PIECE = 1 << 18
 
     @classmethod
     def residual_sizes(cls, comp, n, comm, counts=None):
@@ -91,14 +94,15 @@ class TwoPhaseJob(BucketJob):
         bufs = self.cache.get(key)
         bk = self.bk
         if bufs is None:
+            # this bucket's own: the worker chunks (compress to exchange) and the server
+            # payloads (exchange to decode, after the step's verdict); the rest is shared
             mk = lambda: bk.empty_bytes(wire.nbytes * p).reshape(p, wire.nbytes)   # noqa: E731
-            e0, e1 = self.chunk(lay, self.comm.rank)[:2]
-            bufs = (mk(), mk(), bk.empty_bytes(wire.nbytes), mk(),
-                    bk.empty(lay.nwords, np.uint32), bk.empty(lay.nblocks, np.float32), e1 - e0)
+            bufs = (mk(), mk())
             self.cache.clear()
             self.cache["twophase-layout"] = lay
             self.cache[key] = bufs
-        send, recv, ssend, srecv, bits, scales, _ = bufs
+        send = bufs[0]
+        bits, scales = self.payload(lay)
         send[:] = 0
         bad = self.compress_into([bits, scales])
         # worker payload, cut into chunks
@@ -112,27 +116,54 @@ class TwoPhaseJob(BucketJob):
             w_scales[:s1 - s0] = scales[s0:s1]
         self.wire, self.bufs = wire, bufs
 
-    def _server_table(self, acc, lay, e0, e1):
-        """The chunk's parts of the tensors, as a table over ``acc`` (the server's values, in
-        the plan's shared scratch); made once per plan and scratch address and kept with the
-        job's buffers (resident on a GPU)."""
+    def payload(self, lay):
+        """The bucket's whole 1-bit/2-bit payload (words, scales): work arrays shared by the
+        plan's buckets, used by ``compress`` and ``decode`` only (the communication thread's
+        stages), each filling and reading them within the stage."""
+        return self.shared("twophase-bits", lay.nwords, np.uint32), self.shared("twophase-scales", lay.nblocks,
+                                                                                 np.float32)
+
+    def _server_pieces(self, lay, b0, b1):
+        """The server's chunk (blocks b0..b1-1) in pieces of whole blocks of at most
+        ``SERVER_PIECE`` elements each (one block when a block is longer), summed and
+        compressed one after the other in one shared float32 work array (``scratch_f32``):
+        per piece, a table of the chunk's parts of the tensors over that array, and the
+        piece's word, scale and element ranges counted from the chunk's start. Blocks are
+        independent (a scale per block, restarting at every tensor), so the pieces give the
+        whole chunk's bits. Kept with the job's buffers while the array stays where it is
+        (resident on a GPU)."""
+        elem = lay.elem[b0:b1 + 1]
+        e0, limit = int(elem[0]), self.SERVER_PIECE
+        cuts = [0]
+        while cuts[-1] < b1 - b0:      # the most whole blocks from the last cut within limit
+            nxt = int(np.searchsorted(elem, int(elem[cuts[-1]]) + limit, side="right")) - 1
+            cuts.append(max(nxt, cuts[-1] + 1))
+        acc = self.scratch_f32(max(int(elem[b] - elem[a]) for a, b in zip(cuts[:-1], cuts[1:])))
         base = acc.ctypes.data if isinstance(acc, np.ndarray) else acc.data.ptr
-        tab = self.cache.get("twophase-server")
-        if tab is None or tab[-1] != base:
-            cnt = np.array(lay.pieces(e0, e1), np.int64)
+        key = (base, b0, b1, limit)
+        got = self.cache.get("twophase-server")
+        if got is not None and got[0] == key:
+            return got[1]
+        bk, pieces = self.bk, []
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            ea, eb = int(elem[a]), int(elem[b])
+            cnt = np.array(lay.pieces(ea, eb), np.int64)
             off = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.int64) if cnt.size else cnt
-            bk = self.bk
-            tab = self.cache["twophase-server"] = (bk.pointers((base + 4 * off).astype(np.int64)),
-                                                   bk.pointers(off), bk.pointers(cnt), 0, cnt.size, base)
-        return tab[:5]
+            table = (bk.pointers((base + 4 * off).astype(np.int64)), bk.pointers(off), bk.pointers(cnt), 0, cnt.size)
+            pieces.append((table, int(lay.word[b0 + a] - lay.word[b0]), int(lay.word[b0 + b] - lay.word[b0]), a, b,
+                           ea - e0, eb - e0))
+        self.cache["twophase-server"] = (key, pieces)
+        return pieces
 
     def exchange(self):
         B, p, lay, cb = self.geometry()
         wire, bk, K = self.wire, self.bk, self.bk.kernels
-        send, recv, ssend, srecv, bits, scales, n_acc = self.bufs
-        acc = self.scratch_f32(n_acc)        # the server's sum: needed only in this stage, shared
+        send, srecv = self.bufs
+        # the exchange stage's own work arrays, shared by the plan's buckets
+        recv = self.shared("twophase-recv", p * wire.nbytes, np.uint8).reshape(p, wire.nbytes)
+        ssend = self.shared("twophase-ssend", wire.nbytes, np.uint8)
         self.comm.alltoall(send, recv)
-        # server side: my chunk from every rank, decoded, summed, compressed again
+        # server side: my chunk from every rank, decoded, summed, compressed again (in pieces)
         me = self.comm.rank
         e0, e1, w0, w1, s0, s1 = self.chunk(lay, me)
         rows = wire.rows(recv)
@@ -140,11 +171,10 @@ class TwoPhaseJob(BucketJob):
         sb, ss = wire.views(ssend)
         server_bad = 0
         if e1 > e0:
-            ptrs, off, cnt, lo, hi = self._server_table(acc, lay, e0, e1)
-            table = (ptrs, off, cnt, lo, hi)
-            _decompress_sum(self.comp, K, [rows[0][:, :w1 - w0], rows[1][:, :s1 - s0]], table, self.divisor)
-            server_bad = _compress(self.comp, K, table, self.state.server_cur, self.state.server_nxt,
-                                   [sb[:w1 - w0], ss[:s1 - s0]])
+            res_in, res_out = self.state.server_cur, self.state.server_nxt
+            for table, wa, wb, sa, sz, ra, rz in self._server_pieces(lay, s0, s1):
+                _decompress_sum(self.comp, K, [rows[0][:, wa:wb], rows[1][:, sa:sz]], table, self.divisor)
+                server_bad += _compress(self.comp, K, table, res_in[ra:rz], res_out[ra:rz], [sb[wa:wb], ss[sa:sz]])
         worker_flags = bk.host(Wire.header(recv)[:, 0])
         Wire.header(ssend)[0] = int(worker_flags.any()) * (1 << 32) + int(server_bad)
         self.comm.allgather(ssend, srecv)
@@ -158,7 +188,8 @@ class TwoPhaseJob(BucketJob):
     def decode(self):
         B, p, lay, cb = self.geometry()
         wire = self.wire
-        _, _, _, srecv, bits, scales, _ = self.bufs
+        srecv = self.bufs[1]
+        bits, scales = self.payload(lay)
         for r in range(p):
             e0, e1, w0, w1, s0, s1 = self.chunk(lay, r)
             if e1 == e0:

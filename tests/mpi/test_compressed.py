@@ -108,6 +108,24 @@ class Reference:
 @pytest.mark.parametrize("average", [True, False])
 @pytest.mark.parametrize("name,opts", CASES, ids=[f"{n}-{i}" for i, (n, _) in enumerate(CASES)])
 def test_matches_reference_bit_exactly_and_ranks_agree(world, name, opts, average):
+    check_reference(world, name, opts, average)
+
+
+TWOPHASE = [(n, o) for n, o in CASES if o.get("algorithm") == "twophase"]
+
+
+@pytest.mark.parametrize("piece", [40, 100])
+@pytest.mark.parametrize("name,opts", TWOPHASE, ids=[f"{n}-{i}" for i, (n, _) in enumerate(TWOPHASE)])
+def test_twophase_server_in_pieces_matches_reference(world, monkeypatch, name, opts, piece):
+    """The two-phase server sums and compresses its chunk in pieces of whole blocks of at
+    most ``SERVER_PIECE`` elements (a block each, or several; one block when a block is
+    longer), in one small shared work array: the whole chunk's bits and server residual."""
+    from gradfuse.compressors.twophase import TwoPhaseJob
+    monkeypatch.setattr(TwoPhaseJob, "SERVER_PIECE", piece)
+    check_reference(world, name, opts, True)
+
+
+def check_reference(world, name, opts, average):
     p = world.size
     pipe = gradfuse.Pipeline(compress=name, fusion_threshold=ONE_BUCKET, average=average, **opts)
     comp = create(name, **opts)
