@@ -10,7 +10,9 @@ default): the step time with ``pipeline_buckets=False`` and ``True`` (and with
 C B A round by round in the same run; the compute time: the same step alone on one rank
 (``COMM_SELF``: no network, one payload to decode) and, for reference, the kernels alone
 (the communication thread's pack, compress, decompress and unpack spans of gradfuse's
-timeline in serial steps of their own); with ``--whole``, also pipelined with every 16-bit
+timeline in serial steps of their own); with ``--thread``, also pipelined with a step's
+allgathers run one at a time on the exchange thread (the design before they were posted
+from the communication thread, ``runtime.overlap._run_posted``); with ``--whole``, also pipelined with every 16-bit
 bucket moved whole between 2 hosts (parts as large as the largest bucket: the design
 before ``AllreduceJob.PART_WORDS`` bounded them, ``runtime.overlap._run16``); the bytes that left and entered this host's
 ``eth0`` per step (``/sys/class/net/eth0/statistics``; the tbf queues shape both), so
@@ -39,7 +41,7 @@ def _net(name):
         return 0
 
 
-def worker(out, methods, rounds, threshold, blocking=False, whole=False):
+def worker(out, methods, rounds, threshold, blocking=False, whole=False, thread=False):
     from mpi4py import MPI
 
     import gradfuse
@@ -64,26 +66,34 @@ def worker(out, methods, rounds, threshold, blocking=False, whole=False):
             for b, g in zip(bufs[flag], grads):
                 b[...] = g
             world.Barrier()
-            tx, rx, t0 = _net("tx_bytes"), _net("rx_bytes"), time.perf_counter()
+            tx, rx, t0, c0 = _net("tx_bytes"), _net("rx_bytes"), time.perf_counter(), time.process_time()
             pipes[flag].allreduce_(dict(zip(names, bufs[flag])))
             t = time.perf_counter() - t0
+            cpu.append(time.process_time() - c0)        # this rank's CPU, every thread
             return t, _net("tx_bytes") - tx, _net("rx_bytes") - rx
 
+        cpu = []
         for flag in (False, True, False, True):
             step(flag)                                   # warm-up: plans, buffers
-        times = {False: [], True: [], "blocking": [], "whole": []}
+        times = {False: [], True: [], "blocking": [], "whole": [], "thread": []}
+        cpus = {k: [] for k in times}
         wire = []
-        variants = [False, True] + (["blocking"] if blocking else []) + (["whole"] if whole else [])
+        variants = ([False, True] + (["blocking"] if blocking else []) + (["whole"] if whole else [])
+                    + (["thread"] if thread else []))
         for r in range(rounds):
             for v in (variants if r % 2 == 0 else variants[::-1]):
                 if v == "blocking":        # the design measured against: blocking waits on the thread
                     overlap.PollingComm = lambda comm: comm
                 if v == "whole":           # 16-bit buckets moved whole, not in parts of the threshold
                     AllreduceJob.PART_WORDS = 1 << 62
+                if v == "thread":          # allgathers on the exchange thread, not posted
+                    overlap.POSTED = False
+                cpu = cpus[v]
                 t, tx, rx = step(v is not False)
-                overlap.PollingComm, AllreduceJob.PART_WORDS = polling, part_words
+                overlap.PollingComm, AllreduceJob.PART_WORDS, overlap.POSTED = polling, part_words, True
                 times[v].append(t)
                 wire.append(max(tx, rx))
+        cpu = []               # the steps below are not the variants'
         # compute: the serial step's kernel stages, from the timeline (steps of their own)
         path = os.path.join(tmp, f"{method}.rank{me}.json")
         sink = timeline.start(path, rank=me)
@@ -118,6 +128,9 @@ def worker(out, methods, rounds, threshold, blocking=False, whole=False):
                            "blocking": statistics.median(times["blocking"]) if times["blocking"] else None,
                            "whole": statistics.median(times["whole"]) if times["whole"] else None,
                            "whole_all": times["whole"],
+                           "thread": statistics.median(times["thread"]) if times["thread"] else None,
+                           "thread_all": times["thread"],
+                           "cpu": {str(k): statistics.median(v) for k, v in cpus.items() if v},
                            "serial_all": times[False], "pipelined_all": times[True],
                            "wire_bytes": statistics.median(wire), "compute": compute,
                            "stages": per_stage, "solo": statistics.median(solo_t),
@@ -127,7 +140,8 @@ def worker(out, methods, rounds, threshold, blocking=False, whole=False):
             r = results[method]
             sys.stderr.write(f"  {method}: serial {r['serial'] * 1e3:.1f} ms, pipelined {r['pipelined'] * 1e3:.1f} ms, "
                              + (f"blocking waits {r['blocking'] * 1e3:.1f} ms, " if blocking else "")
-                             + (f"16-bit buckets whole {r['whole'] * 1e3:.1f} ms, " if whole else "") +
+                             + (f"16-bit buckets whole {r['whole'] * 1e3:.1f} ms, " if whole else "")
+                             + (f"allgathers on the exchange thread {r['thread'] * 1e3:.1f} ms, " if thread else "") +
                              f"compute {compute * 1e3:.1f} ms, alone {r['solo'] * 1e3:.1f} ms, "
                              f"wire {r['wire_bytes'] / 1e6:.2f} MB/step; serial stages (ms): "
                              + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(per_stage.items())) + "\n")
@@ -151,12 +165,14 @@ def main(argv=None):
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--blocking", action="store_true",
                     help="also time the pipelined step with blocking waits on the exchange thread")
+    ap.add_argument("--thread", action="store_true",
+                    help="also time the pipelined step with a step's allgathers on the exchange thread, not posted")
     ap.add_argument("--whole", action="store_true",
                     help="also time the pipelined step with 16-bit buckets moved whole between 2 hosts")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        return worker(a.worker, a.methods.split(","), a.rounds, a.fusion_threshold, a.blocking, a.whole)
+        return worker(a.worker, a.methods.split(","), a.rounds, a.fusion_threshold, a.blocking, a.whole, a.thread)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory(prefix="gf-pipe-") as tmp:
@@ -169,6 +185,8 @@ def main(argv=None):
             argv_w.append("--blocking")
         if a.whole:
             argv_w.append("--whole")
+        if a.thread:
+            argv_w.append("--thread")
         load0 = os.getloadavg()
         if a.place == "local":
             rc = subprocess.run([mpiexec, "-n", str(a.hosts)] + argv_w, env=env).returncode
@@ -191,10 +209,11 @@ def main(argv=None):
     if tc:
         print("# tc bytes this run (sent by host, received by host): "
               + ", ".join(f"{h}: {s / 1e6:.1f} / {r / 1e6:.1f} MB" for h, (s, r) in tc.items()))
-    blk = (" pipelined, blocking waits |" if a.blocking else "") + (" pipelined, 16-bit whole |" if a.whole else "")
+    blk = ((" pipelined, blocking waits |" if a.blocking else "") + (" pipelined, 16-bit whole |" if a.whole else "")
+           + (" pipelined, allgathers on the thread |" if a.thread else ""))
     print("| compressor | buckets | kernels | compute (1 rank) | wire MB/step | wire time | bound | serial |" + blk +
           " pipelined | pipelined / bound | serial / pipelined |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (a.blocking + a.whole) + "---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (a.blocking + a.whole + a.thread) + "---:|---:|---:|")
     rows = {}
     for m in a.methods.split(","):
         per = [r[m] for r in res["ranks"]]
@@ -211,10 +230,18 @@ def main(argv=None):
         rows[m]["blocking"] = max(r["blocking"] for r in per) if a.blocking else None
         rows[m]["whole"] = max(r["whole"] for r in per) if a.whole else None
         bcol += f" {rows[m]['whole'] * 1e3:.1f} ms |" if a.whole else ""
+        rows[m]["thread"] = max(r["thread"] for r in per) if a.thread else None
+        bcol += f" {rows[m]['thread'] * 1e3:.1f} ms |" if a.thread else ""
         print(f"| {m} | {per[0]['buckets']} | {kernels * 1e3:.1f} ms | {compute * 1e3:.1f} ms | {wb / 1e6:.2f} | "
               f"{wire * 1e3:.1f} ms | "
               f"{bound * 1e3:.1f} ms | {serial * 1e3:.1f} ms |{bcol} {piped * 1e3:.1f} ms | {piped / bound:.2f} | "
               f"{serial / piped:.2f} |")
+    print("\nCPU per step (median, the busier rank, every thread of the process):")
+    names = {"False": "serial", "True": "pipelined", "blocking": "blocking waits", "whole": "16-bit whole",
+             "thread": "allgathers on the thread"}
+    for m in a.methods.split(","):
+        per = [r[m]["cpu"] for r in res["ranks"]]
+        print(f"  {m}: " + ", ".join(f"{names[k]} {max(c[k] for c in per) * 1e3:.1f} ms" for k in per[0]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"rows": rows, "raw": res, "load": [load0, load1], "link": a.link, "place": a.place}, f)

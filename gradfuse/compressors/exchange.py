@@ -193,6 +193,7 @@ class AllgatherJob(BucketJob):
     """Every rank sends its payload to every rank; every rank decodes and sums all of them."""
 
     algorithm = "allgather"
+    posted = False       # runtime.overlap._run_posted: the allgather was posted and has completed
 
     def compress(self):
         p = self.comm.size
@@ -210,10 +211,14 @@ class AllgatherJob(BucketJob):
         self.wire, self.send, self.recv = wire, send, recv
 
     def exchange(self):
-        p, wire, recv = self.comm.size, self.wire, self.recv
-        self.comm.allgather(self.send, recv)
-        self.stats.bytes_sent += wire.nbytes * (p - 1)
-        flags = self.bk.host(Wire.header(recv)[:, 0])
+        """The allgather, then the bookkeeping; only the bookkeeping where the allgather was
+        posted and has completed (``posted``: ``runtime.overlap._run_posted``)."""
+        if not self.posted:
+            self.comm.allgather(self.send, self.recv)
+        self.posted = False
+        p = self.comm.size
+        self.stats.bytes_sent += self.wire.nbytes * (p - 1)
+        flags = self.bk.host(Wire.header(self.recv)[:, 0])
         self.nonfinite_ranks = [r for r in range(p) if flags[r]]
 
     def decode(self):

@@ -28,6 +28,11 @@ MPI's call), at most ``AllreduceJob.PART_WORDS`` at a time, and a step of fp16/b
 buckets alone runs pipelined (``_run16``): the communication thread casts part i+1 (a
 bucket, or a piece of a larger one) while part i crosses, then adds and decodes it.
 
+A step whose compressed buckets all go by allgather runs without the exchange thread
+(``_run_posted``): the communication thread posts each bucket's allgather once the bucket
+is compressed and tests the oldest one in flight between compressions, so several are in
+flight at once and no thread polls beside the compression.
+
 Errors: the first error of an exchange (a raise in the job, a failed collective) stops
 the exchange thread's part of the step: the buckets queued after it are dropped, not
 run, so every rank that failed at bucket i runs the collectives of buckets 0..i-1 only,
@@ -108,10 +113,76 @@ def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
             if stream:
                 decode(job)
         return
+    if POSTED and not stream and all(j.algorithm == "allgather" for j in jobs):
+        return _run_posted(ov, comm, jobs, compress, exchange)
     polling = PollingComm(comm)
     for job in jobs:
         job.comm = polling
     ov.run(jobs, compress, exchange)
+
+
+#: whether a step of allgathers alone posts them from the communication thread
+#: (``_run_posted``); False runs them on the exchange thread, one at a time, as before
+#: (scripts/pipelined_overlap.py ``--thread`` times both in one run)
+POSTED = True
+
+
+def _run_posted(ov, comm, jobs, compress, exchange):
+    """A step whose compressed buckets all go by allgather (top-k, random-k, 1-bit and
+    2-bit on the allgather), without the exchange thread: the communication thread posts
+    each bucket's allgather (MPI's non-blocking call) as soon as the bucket is compressed,
+    and tests the oldest one still in flight between two compressions (each test makes
+    progress on all of them), then waits for the rest, polled. Several allgathers are in
+    flight at once, so a bucket's waits for the other rank no longer queue up one after
+    the other, and no second thread polls beside the compression: on 2 ranks per 2 cores
+    that thread's polling took about 13 ms of CPU a step from the compressions (top-k,
+    ResNet-50) and made them 14 % slower (docs/benchmarks.md, "Pipelined buckets"). The
+    same collectives on the same bytes in the same order as serially: the same bits.
+    Errors: every collective posted is completed (the other ranks run it too); once an
+    allgather or its bookkeeping failed, the buckets after it are still compressed and
+    posted, so every rank runs the step's collectives alike, and the first error is
+    raised once none is in flight. An error of a compression stops the posting (as
+    serially) after the posted ones complete."""
+    from ..comm.mpi import mpi
+    MPI = mpi()
+    ov.runs += 1
+    pending, errors = [], []
+
+    def done(job):
+        """``job``'s allgather completed: its bookkeeping, as ``exchange`` (the step's: a
+        timeline span on this thread), which finds the allgather posted and done."""
+        if not errors:
+            try:
+                exchange(job)
+            except BaseException as exc:
+                errors.append(exc)
+
+    def settle(block):
+        while pending:
+            job = pending[0]
+            try:
+                while not job.request.Test():
+                    if not block:
+                        return
+                    time.sleep(POLL_S)
+            except BaseException as exc:        # a failed collective: it is over
+                errors.append(exc)
+            pending.pop(0)
+            job.request = None
+            done(job)
+    try:
+        for job in jobs:
+            compress(job)
+            job.posted = True
+            job.request = comm.data.Iallgather([PollingComm._bytes(job.send), MPI.BYTE],
+                                               [PollingComm._bytes(job.recv), MPI.BYTE])
+            pending.append(job)
+            settle(False)
+    except BaseException as exc:
+        errors.insert(0, exc)
+    settle(True)
+    if errors:
+        raise errors[0]
 
 
 #: how many parts the communication thread casts ahead of the transfer in a pipelined

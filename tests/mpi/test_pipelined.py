@@ -266,11 +266,16 @@ def test_an_error_in_one_bucket_reaches_every_rank(world, monkeypatch, name, opt
     assert len(set(got)) == 1
 
 
-def test_timeline_tracks_nest_with_the_exchange_thread(world):
+@pytest.mark.parametrize("algorithm", ["twophase", "allgather"])
+def test_timeline_tracks_nest_with_the_exchange_thread(world, algorithm):
+    """Two-phase buckets exchange on the exchange thread, a track of its own; a step of
+    allgathers alone posts them from the communication thread, whose exchange track holds
+    every bucket's (the bookkeeping once its allgather completed)."""
     me, p = world.Get_rank(), world.Get_size()
     where = world.bcast(tempfile.mkdtemp(prefix="gradfuse_pipe_tl_") if me == 0 else None, root=0)
     path = timeline.rank_path(os.path.join(where, "tl.json"), me, p)
-    pipe = gradfuse.Pipeline(compress="1bit", fusion_threshold=THRESHOLD, pipeline_buckets=True, average=False)
+    pipe = gradfuse.Pipeline(compress="1bit", fusion_threshold=THRESHOLD, pipeline_buckets=True, average=False,
+                             algorithm=algorithm)
     sink = timeline.start(path, rank=me)
     for step in range(2):
         pipe.allreduce(grads_for(me, step, ints=True))
@@ -283,12 +288,12 @@ def test_timeline_tracks_nest_with_the_exchange_thread(world):
         by_stage.setdefault(names[(e["pid"], e["tid"])], set()).add(e["args"].get("bucket"))
     buckets = set(range(n_buckets(pipe)))
     # compressed buckets: compress on the communication thread, exchange on the exchange
-    # thread; the int64 bucket's exchange (a plain allreduce) on the communication thread,
-    # a track of its own ("exchange (2)")
+    # thread (two-phase); the int64 bucket's exchange (a plain allreduce) on the
+    # communication thread, a track of its own ("exchange (2)"); posted allgathers: one track
     assert by_stage["compress"] | by_stage["unpack"] == buckets
     exchange = set().union(*(v for k, v in by_stage.items() if k.startswith("exchange")))
     assert exchange == buckets
-    assert len([k for k in by_stage if k.startswith("exchange")]) == 2
+    assert len([k for k in by_stage if k.startswith("exchange")]) == (2 if algorithm == "twophase" else 1)
     assert len(by_stage["unpack"]) == 1 and len(by_stage["compress"]) == len(buckets) - 1
 
 
