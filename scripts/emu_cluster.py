@@ -62,6 +62,13 @@ def main(argv=None):
     ap.add_argument("--link", default="1gbit", help="1gbit, 10gbit, or RATE:DELAY (e.g. 2gbit:50us)")
     ap.add_argument("--mtu", type=int, default=1500, help="link MTU (9000: jumbo frames)")
     ap.add_argument("--ranks", type=int, default=None, help="MPI ranks (default: one per host)")
+    ap.add_argument("--keep-heap", action=argparse.BooleanOptionalAction, default=None,
+                    help="the ranks' malloc keeps freed memory (no mmap, no trim: netns.HEAP_ENV), so that "
+                         "MPICH's per-call temporary buffer does not page-fault afresh on every call "
+                         "(default: on for links of 5 Gbit/s and up, where the 2 cores are the limit)")
+    ap.add_argument("--loss-based-cc", action=argparse.BooleanOptionalAction, default=None,
+                    help="the hosts' TCP uses cubic or reno (netns.LOSS_BASED_CC) instead of the machine's "
+                         "default (default: on for links of 5 Gbit/s and up)")
     ap.add_argument("--check", action="store_true", help="measure an fp32 allreduce against the link rate")
     ap.add_argument("--mb", type=float, default=102.2, help="--check: MB per allreduce (default: ResNet-50's)")
     ap.add_argument("--rounds", type=int, default=5)
@@ -84,9 +91,12 @@ def main(argv=None):
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     mpiexec = mpiexec if os.path.exists(mpiexec) else "mpiexec"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with netns.Cluster(a.hosts, a.link, mtu=a.mtu) as c, tempfile.TemporaryDirectory() as tmp:
+    with netns.Cluster(a.hosts, a.link, mtu=a.mtu, keep_heap=a.keep_heap,
+                       loss_based_cc=a.loss_based_cc) as c, tempfile.TemporaryDirectory() as tmp:
         print(f"cluster: {a.hosts} hosts {', '.join(c.ips)}, link {c.rate} each way, one-way delay "
-              f"{c.delay if c.delay_applied else 'none (no netem)'}, tbf burst {c.burst} B; head {netns.HEAD_IP}", flush=True)
+              f"{c.delay if c.delay_applied else 'none (no netem)'}, tbf burst {c.burst} B, MTU {c.mtu}; head "
+              f"{netns.HEAD_IP}; hosts' TCP congestion control {c.cc}; ranks' heap kept: "
+              + (f"yes ({' '.join(f'{k}={v}' for k, v in netns.HEAP_ENV.items())})" if c.keep_heap else "no"), flush=True)
         out = os.path.join(tmp, "check.json")
         if a.check:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker-allreduce", out,
