@@ -31,8 +31,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+def _cpu_ticks():
+    """(all, idle + iowait) jiffies of the whole machine, from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v[:8]), v[3] + v[4]
+
+
 def worker_allreduce(mb, rounds, out):
-    """One rank of --check: time a float32 Allreduce of mb MB."""
+    """One rank of --check: time a float32 Allreduce of mb MB; rank 0 also notes how busy
+    the machine was during the timed calls, and how much of that the ranks were."""
+    import resource
     from mpi4py import MPI
     import numpy as np
     comm = MPI.COMM_WORLD
@@ -42,15 +51,23 @@ def worker_allreduce(mb, rounds, out):
     if not (a[:8] == sum(range(1, comm.size + 1))).all():
         raise SystemExit(f"rank {comm.rank}: wrong allreduce result")
     times = []
+    comm.Barrier()
+    cpu0, ru0, w0 = _cpu_ticks(), resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
     for _ in range(rounds):
         comm.Barrier()
         t0 = time.perf_counter()
         comm.Allreduce(MPI.IN_PLACE, a)
         times.append(time.perf_counter() - t0)
+    comm.Barrier()
+    cpu1, ru1, w1 = _cpu_ticks(), resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
     t = comm.allreduce(statistics.median(times), op=MPI.MAX)
+    ranks_cpu = comm.allreduce(ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime) / (w1 - w0)
     if comm.rank == 0:
+        busy = 1 - (cpu1[1] - cpu0[1]) / max(1, cpu1[0] - cpu0[0])     # the whole machine
+        ncpu = os.cpu_count() or 1
         with open(out, "w") as f:
-            json.dump({"p": comm.size, "bytes": n * 4, "median_s": t, "calls": rounds + 1}, f)
+            json.dump({"p": comm.size, "bytes": n * 4, "median_s": t, "calls": rounds + 1,
+                       "machine_busy": busy * ncpu, "ranks_cpu": ranks_cpu, "ncpu": ncpu}, f)
         print(f"fp32 MPI.Allreduce of {n * 4 / 1e6:.1f} MB on {comm.size} ranks: {t * 1e3:.1f} ms "
               f"(median of {rounds}, slowest rank); a ring sends 2(p-1)/p x S = "
               f"{2 * (comm.size - 1) / comm.size * n * 4 / 1e6:.1f} MB per rank", flush=True)
@@ -118,6 +135,12 @@ def main(argv=None):
         print(f"\nfp32 MPI.Allreduce of {S / 1e6:.1f} MB on {p} ranks: {r['median_s'] * 1e3:.1f} ms (median of "
               f"{a.rounds}); link-rate time 2(p-1)/p x S / rate = {want * 1e3:.1f} ms; "
               f"measured/expected = {1 + dev:.3f} (tolerance {a.tolerance:.0%})")
+        if "machine_busy" in r:
+            print(f"CPU during the timed calls: the machine {100 * r['machine_busy']:.0f} % busy of "
+                  f"{100 * r['ncpu']} %, the ranks themselves {100 * r['ranks_cpu']:.0f} % (their kernel work "
+                  f"included); the rest, about {100 * max(0.0, r['machine_busy'] - r['ranks_cpu']):.0f} %, is "
+                  f"softirq work outside the ranks and other users of the machine; 1-min load "
+                  f"{os.getloadavg()[0]:.2f}")
         ok = abs(dev) <= a.tolerance
         crossed = min(min(s, rv) for s, rv in delta.values())
         need = ring * r["calls"]
