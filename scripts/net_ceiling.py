@@ -1,39 +1,55 @@
 #!/usr/bin/env python3
-"""The raw TCP ceiling of the emulated cluster: how fast can two host namespaces move
-bytes both ways at once over their veth/bridge links, with and without the tc shaping?
-As root. Builds one 2-host cluster (gradfuse/bench/netns.py) and measures, for every
-variant given, in rounds that alternate the variants (A/B/A/B...), so that a load that
-drifts during the run hits them alike:
+"""Where the time of the emulated cluster's links goes: raw TCP between two host
+namespaces both ways at once, or an MPI allreduce/sendrecv, over variants of the
+shaping, the links and the MPI environment. As root. Builds one 2-host cluster
+(gradfuse/bench/netns.py, with its defaults for ``--link``) and measures every variant
+in rounds that alternate them (A/B/A/B..., reversed every other round), so that a load
+that drifts during the run hits them alike:
 
-    scripts/net_ceiling.py --shape tbf,none --rounds 3
+    scripts/net_ceiling.py --shape tbf,none --rounds 3                 # TCP through the tbfs and unshaped
     scripts/net_ceiling.py --shape tbf --mtu 1500,9000,65535 --streams 1,4
-    scripts/net_ceiling.py --shape none --offload on,nogso,nogro-tso --tool iperf3
+    scripts/net_ceiling.py --shape none --offload on,gro,nogso --tool iperf3
+    scripts/net_ceiling.py --one-way --burst 65536,cluster               # the tbf's accuracy
+    scripts/net_ceiling.py --mpi allreduce --env "(cluster);-MALLOC_MMAP_MAX_+-MALLOC_TRIM_THRESHOLD_"
+    scripts/net_ceiling.py --variant "shape=none" --variant "shape=tbf cc=bbr"   # a list, not a product
 
-Each trial runs one process per host that both sends and receives (as an MPI rank
-does) over ``--streams`` TCP connections, each carrying data both ways, for
-``--seconds``; it counts what each side received in a common window that leaves out
-the first 0.5 s (slow start). ``--one-way`` sends h0 -> h1 only. ``--tool iperf3``
-runs ``iperf3 --bidir`` instead (if installed) as a cross-check of the Python sender.
+Raw TCP: each trial runs one process per host that both sends and receives (as an MPI
+rank does) over ``--streams`` TCP connections, each carrying data both ways (4 MiB
+``sendall`` / ``recv_into``), for ``--seconds``; it counts what each side received in a
+common window that leaves out the first 0.5 s (slow start). ``--one-way`` sends
+h0 -> h1 only. ``--tool iperf3`` runs ``iperf3 --bidir`` (1 MiB writes, its maximum)
+instead, where installed.
+``--mpi allreduce|sendrecv``: each trial is one mpiexec run on the cluster timing
+``--mpi-rounds`` calls of ``--mb`` MB (the median), with the page faults a call.
 
 Per trial it prints: Gbit/s of payload each way; the machine's CPU split over the
-window from /proc/stat (user, sys, softirq, idle, steal; 2 cores = 200 %); ``ours``, the
-CPU the two worker processes themselves used (getrusage; softirq work done in their
-context counts there, work in ksoftirqd does not), so that busy - ours is roughly what
-other users of the machine took; the 1-min load;
-and what the first connection's sender was limited by (``ss -ti``: the share of its
-busy time spent rwnd- or sndbuf-limited, its cwnd and RTT). The variants:
+window from /proc/stat (user, sys, softirq, idle, steal; 2 cores = 200 %); ``ours``,
+the CPU the workers (or ranks) themselves used (getrusage; softirq work done in their
+context counts there, work in ksoftirqd does not); ``pre``, how busy the machine was
+just before the trial (``--quiet-wait`` waits up to that many seconds for it to be
+under ``--quiet-busy`` %); the 1-min load; and what the first sender was limited by
+(``ss -ti``: the share of its busy time spent rwnd- or sndbuf-limited, cwnd, RTT).
+The summaries give the medians over all trials and over the quiet ones (user CPU under
+``--quiet-user`` %: the workers spend almost none, so it is other users' work).
 
-- ``--shape``: ``tbf`` (the cluster's shaping: tbf at ``--link`` on both ends of each
-  link, burst ``--burst``, queue ``--latency``), ``none`` (qdiscs removed: the veth
-  and bridge path alone, unlimited), or ``fq`` (fq with maxrate at the link rate:
-  per-flow pacing at the sender instead of a token bucket).
+The variants (comma lists make a product; ``--variant`` lists them instead):
+
+- ``--shape``: ``tbf`` (tbf at ``--link`` on all four veth ends, as the cluster
+  shapes) or ``none`` (qdiscs removed: the veth and bridge path alone). (This
+  machine's kernel has neither sch_fq nor sch_netem, so there is no pacing qdisc to
+  compare.)
+- ``--burst`` (``cluster``: the cluster's, 1 ms at the rate) and ``--latency`` (the
+  tbf's queue as time; the cluster's is 100ms).
 - ``--mtu``: of every veth end.
 - ``--offload``: ``on`` (veth defaults: TSO/GSO on, GRO off), ``gro`` (GRO on: veth
   then runs NAPI on receive), ``nogso`` (TSO and GSO off: every MTU-sized packet
   crosses the qdiscs and the bridge alone), ``notso`` (TSO off, GSO on).
 - ``--tcpmem``: the host namespaces' net.ipv4.tcp_wmem / tcp_rmem maximum in bytes
   (``default`` keeps the kernel's: 4 MiB send, 32 MiB receive here).
-- ``--streams``: TCP connections.
+- ``--cc``: the hosts' congestion control (``default``: the cluster's).
+- ``--brnf``: bridge-nf-call-iptables in the bridge's namespace (1: the kernel's).
+- ``--streams``: TCP connections (raw TCP only).
+- ``--env`` (with ``--mpi``): environment over the cluster's MPI environment.
 
 All of it is torn down afterwards (the Cluster context manager), also on failure.
 """
@@ -54,7 +70,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 PORT = 5301
-DIMS = ("shape", "mtu", "offload", "tcpmem", "cc", "brnf", "streams", "env")
+DIMS = ("shape", "burst", "latency", "mtu", "offload", "tcpmem", "cc", "brnf", "streams", "env")
 CHUNK = 4 << 20
 
 
@@ -218,9 +234,9 @@ def configure(c, v, a):
         sh(ns, "ethtool", "-K", dev, *itertools.chain.from_iterable(k.items()))
         if v["shape"] == "tbf":
             sh(ns, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", c.rate,
-               "burst", a.burst or c.burst, "latency", a.latency)
-        elif v["shape"] == "fq":
-            sh(ns, "tc", "qdisc", "add", "dev", dev, "root", "fq", "maxrate", c.rate)
+               "burst", c.burst if v["burst"] == "cluster" else v["burst"], "latency", v["latency"])
+        elif v["shape"] != "none":
+            raise SystemExit(f"--shape {v['shape']!r}: tbf or none")
     sh(c.br, "sysctl", "-q", f"net.bridge.bridge-nf-call-iptables={v['brnf']}",
        f"net.bridge.bridge-nf-call-ip6tables={v['brnf']}", f"net.bridge.bridge-nf-call-arptables={v['brnf']}",
        check=False)
@@ -284,7 +300,7 @@ def trial_iperf3(c, v, a, tmp):
     time.sleep(0.3)
     t = a.seconds + 0.5
     cli = subprocess.Popen(["ip", "netns", "exec", c.ns[0], "iperf3", "-c", c.ips[1], "-t", f"{t:g}", "-O", "0.5",
-                            "-P", str(v["streams"]), "-l", str(CHUNK), "-J"] + ([] if a.one_way else ["--bidir"]),
+                            "-P", str(v["streams"]), "-l", str(1 << 20), "-J"] + ([] if a.one_way else ["--bidir"]),
                            stdout=open(out, "w"))
     now = time.monotonic()
 
@@ -383,15 +399,16 @@ def fmt_variant(v):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--link", default="10gbit", help="the tbf's / fq's rate (a netns.py preset or RATE)")
-    ap.add_argument("--shape", default="tbf,none", help="tbf, none, fq (comma list)")
+    ap.add_argument("--link", default="10gbit", help="the tbf's rate (a netns.py preset or RATE)")
+    ap.add_argument("--shape", default="tbf,none", help="tbf, none (comma list)")
     ap.add_argument("--mtu", default="1500")
     ap.add_argument("--offload", default="on", help="on, gro, nogso, notso (comma list)")
     ap.add_argument("--tcpmem", default="default", help="default or bytes (comma list)")
     ap.add_argument("--streams", default="1")
     ap.add_argument("--cc", default="default", help="TCP congestion control in the hosts (default: the kernel's)")
     ap.add_argument("--brnf", default="1", help="the bridge namespace's bridge-nf-call-iptables (1: the kernel's)")
-    ap.add_argument("--burst", default=None, help="tbf burst (default: the cluster's, 1 ms at the rate)")
+    ap.add_argument("--burst", default="cluster", help="tbf burst, e.g. 64kb,1250000 (cluster: the cluster's, 1 ms at "
+                                                       "the rate)")
     ap.add_argument("--latency", default="100ms", help="tbf queue length as time (the cluster's: 100ms)")
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=2)
@@ -452,8 +469,8 @@ def main(argv=None):
         r = sh(c.ns[0], "sysctl", "-n", "net.ipv4.tcp_rmem").split()
         a._default_tcpmem = (int(w[2]), int(r[2]))
         a._default_cc = sh(c.ns[0], "sysctl", "-n", "net.ipv4.tcp_congestion_control").strip()
-        print(f"2 hosts, link {c.rate} ({'both ends shaped' if 'tbf' in a.shape else 'unshaped'} where shape=tbf, "
-              f"burst {a.burst or c.burst} B, queue {a.latency}), {a.tool}, {'one way' if a.one_way else 'both ways'}, "
+        print(f"2 hosts, link {c.rate} (both ends shaped where shape=tbf; the cluster's burst {c.burst} B, queue "
+              f"100ms), {a.tool}, {'one way' if a.one_way else 'both ways'}, "
               f"{a.seconds:g} s per trial; kernel tcp_wmem/rmem max {a._default_tcpmem}; "
               f"{os.cpu_count()} CPUs; congestion control {a._default_cc}" + (f"; MPI: {a.mpi} of {a.mb:g} MB, median of "
               f"{a.mpi_rounds} calls per trial" if a.mpi else "") + f"\nfixed: {fixed}", flush=True)
