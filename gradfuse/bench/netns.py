@@ -45,10 +45,10 @@ MPI_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER
            "FI_TCP_IFACE": "eth0"}
 # glibc serves every malloc over 32 MiB with a fresh mmap and unmaps it on free. MPICH's
 # allreduce mallocs a temporary buffer of the message's size on every call, so each call
-# of a 102 MB allreduce page-faults tens of thousands of fresh, zeroed pages into its
-# receive buffer (measured: about 12,700 faults a call per rank). At 10 Gbit/s that work
-# lands on the same 2 cores that run both hosts' TCP: it took an fp32 allreduce of
-# ResNet-50's 102 MB from 91 ms to 111-127 ms. With mmap off and no trimming, a freed
+# of a 102 MB allreduce page-faults fresh, zeroed pages into its receive buffer
+# (measured: 12,478-12,876 faults a call per rank). At 10 Gbit/s that work lands on the
+# same 2 cores that run both hosts' TCP: it took an fp32 allreduce of ResNet-50's 102 MB
+# from 91-93 ms to 99-121 ms. With mmap off and no trimming, a freed
 # block stays in the heap and the next call reuses its pages (docs/benchmarks.md, "The
 # link check"). Memory freed by the ranks is then never given back to the kernel, so
 # resident-set figures read as peaks: only fast links, where the CPU is the limit, get
