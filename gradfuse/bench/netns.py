@@ -48,11 +48,11 @@ MPI_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER
 # of a 102 MB allreduce page-faults fresh, zeroed pages into its receive buffer
 # (measured: 12,478-12,876 faults a call per rank). At 10 Gbit/s that work lands on the
 # same 2 cores that run both hosts' TCP: it took an fp32 allreduce of ResNet-50's 102 MB
-# from 91-93 ms to 99-121 ms. With mmap off and no trimming, a freed
-# block stays in the heap and the next call reuses its pages (docs/benchmarks.md, "The
-# link check"). Memory freed by the ranks is then never given back to the kernel, so
-# resident-set figures read as peaks: only fast links, where the CPU is the limit, get
-# it by default (``Cluster(keep_heap=...)`` / ``emu_cluster.py --keep-heap/--no-keep-heap``).
+# from 91-93 ms to 99-121 ms. With mmap off and no trimming, a freed block stays in the
+# heap and the next call reuses its pages (docs/benchmarks.md, "The link check"). Memory
+# freed by the ranks is then never given back to the kernel, so resident-set figures
+# read as peaks: only fast links, where the CPU is the limit, get it by default
+# (``Cluster(keep_heap=...)`` / ``emu_cluster.py --keep-heap/--no-keep-heap``).
 HEAP_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4000000000"}
 # Links from this rate up get the two settings that keep the 2 cores from being the limit
 # (HEAP_ENV and a loss-based congestion control) unless the caller says otherwise.
@@ -61,9 +61,10 @@ FAST_LINK_BPS = 5e9
 # machine. BBR paces every flow with a timer and now and then cuts its window to probe the
 # path's RTT (PROBE_RTT); measured at 10 Gbit/s, 2 of 5 quiet 102 MB allreduces took
 # 106 ms under BBR instead of 92, while under reno all took 91-92 (docs/benchmarks.md).
-# A loss-based control without pacing is also what a stock Linux host runs (cubic). Namespaces other than the
-# machine's own may only pick one from net.ipv4.tcp_allowed_congestion_control (here
-# "reno bbr"), so the hosts get the first of these that they are allowed.
+# A loss-based control without pacing is also what a stock Linux host runs (cubic).
+# Namespaces other than the machine's own may only pick one from
+# net.ipv4.tcp_allowed_congestion_control (here "reno bbr"), so the hosts get the first
+# of these that they are allowed.
 LOSS_BASED_CC = ("cubic", "reno")
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 
