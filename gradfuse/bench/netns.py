@@ -59,8 +59,9 @@ HEAP_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4000000000"}
 FAST_LINK_BPS = 5e9
 # A new namespace inherits the machine's TCP congestion control: BBR on this project's
 # machine. BBR paces every flow with a timer and now and then cuts its window to probe the
-# path's RTT (PROBE_RTT); measured at 10 Gbit/s, 2 of 5 quiet 102 MB allreduces took
-# 106 ms under BBR instead of 92, while under reno all took 91-92 (docs/benchmarks.md).
+# path's RTT (PROBE_RTT); measured at 10 Gbit/s with the heap kept, 3 of 9 quiet 102 MB
+# allreduces took 106-107 ms under BBR (the others 91.5-94.4), while under reno 17 of 17
+# took 90.6-92.8 (docs/benchmarks.md).
 # A loss-based control without pacing is also what a stock Linux host runs (cubic).
 # Namespaces other than the machine's own may only pick one from
 # net.ipv4.tcp_allowed_congestion_control (here "reno bbr"), so the hosts get the first
