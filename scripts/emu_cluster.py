@@ -31,8 +31,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
+def _cpu_ticks():
+    """(all, idle + iowait) jiffies of the whole machine, from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v[:8]), v[3] + v[4]
+
+
 def worker_allreduce(mb, rounds, out):
-    """One rank of --check: time a float32 Allreduce of mb MB."""
+    """One rank of --check: time a float32 Allreduce of mb MB; rank 0 also notes how busy
+    the machine was during the timed calls, and how much of that the ranks were."""
+    import resource
     from mpi4py import MPI
     import numpy as np
     comm = MPI.COMM_WORLD
@@ -42,15 +51,23 @@ def worker_allreduce(mb, rounds, out):
     if not (a[:8] == sum(range(1, comm.size + 1))).all():
         raise SystemExit(f"rank {comm.rank}: wrong allreduce result")
     times = []
+    comm.Barrier()
+    cpu0, ru0, w0 = _cpu_ticks(), resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
     for _ in range(rounds):
         comm.Barrier()
         t0 = time.perf_counter()
         comm.Allreduce(MPI.IN_PLACE, a)
         times.append(time.perf_counter() - t0)
+    comm.Barrier()
+    cpu1, ru1, w1 = _cpu_ticks(), resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
     t = comm.allreduce(statistics.median(times), op=MPI.MAX)
+    ranks_cpu = comm.allreduce(ru1.ru_utime - ru0.ru_utime + ru1.ru_stime - ru0.ru_stime) / (w1 - w0)
     if comm.rank == 0:
+        busy = 1 - (cpu1[1] - cpu0[1]) / max(1, cpu1[0] - cpu0[0])     # the whole machine
+        ncpu = os.cpu_count() or 1
         with open(out, "w") as f:
-            json.dump({"p": comm.size, "bytes": n * 4, "median_s": t, "calls": rounds + 1}, f)
+            json.dump({"p": comm.size, "bytes": n * 4, "median_s": t, "calls": rounds + 1,
+                       "machine_busy": busy * ncpu, "ranks_cpu": ranks_cpu, "ncpu": ncpu}, f)
         print(f"fp32 MPI.Allreduce of {n * 4 / 1e6:.1f} MB on {comm.size} ranks: {t * 1e3:.1f} ms "
               f"(median of {rounds}, slowest rank); a ring sends 2(p-1)/p x S = "
               f"{2 * (comm.size - 1) / comm.size * n * 4 / 1e6:.1f} MB per rank", flush=True)
@@ -62,6 +79,13 @@ def main(argv=None):
     ap.add_argument("--link", default="1gbit", help="1gbit, 10gbit, or RATE:DELAY (e.g. 2gbit:50us)")
     ap.add_argument("--mtu", type=int, default=1500, help="link MTU (9000: jumbo frames)")
     ap.add_argument("--ranks", type=int, default=None, help="MPI ranks (default: one per host)")
+    ap.add_argument("--keep-heap", action=argparse.BooleanOptionalAction, default=None,
+                    help="the ranks' malloc keeps freed memory (no mmap, no trim: netns.HEAP_ENV), so that "
+                         "MPICH's per-call temporary buffer does not page-fault afresh on every call "
+                         "(default: on for links of 5 Gbit/s and up, where the 2 cores are the limit)")
+    ap.add_argument("--loss-based-cc", action=argparse.BooleanOptionalAction, default=None,
+                    help="the hosts' TCP uses cubic or reno (netns.LOSS_BASED_CC) instead of the machine's "
+                         "default (default: on for links of 5 Gbit/s and up)")
     ap.add_argument("--check", action="store_true", help="measure an fp32 allreduce against the link rate")
     ap.add_argument("--mb", type=float, default=102.2, help="--check: MB per allreduce (default: ResNet-50's)")
     ap.add_argument("--rounds", type=int, default=5)
@@ -84,9 +108,12 @@ def main(argv=None):
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     mpiexec = mpiexec if os.path.exists(mpiexec) else "mpiexec"
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    with netns.Cluster(a.hosts, a.link, mtu=a.mtu) as c, tempfile.TemporaryDirectory() as tmp:
+    with netns.Cluster(a.hosts, a.link, mtu=a.mtu, keep_heap=a.keep_heap,
+                       loss_based_cc=a.loss_based_cc) as c, tempfile.TemporaryDirectory() as tmp:
         print(f"cluster: {a.hosts} hosts {', '.join(c.ips)}, link {c.rate} each way, one-way delay "
-              f"{c.delay if c.delay_applied else 'none (no netem)'}, tbf burst {c.burst} B; head {netns.HEAD_IP}", flush=True)
+              f"{c.delay if c.delay_applied else 'none (no netem)'}, tbf burst {c.burst} B, MTU {c.mtu}; head "
+              f"{netns.HEAD_IP}; hosts' TCP congestion control {c.cc}; ranks' heap kept: "
+              + (f"yes ({' '.join(f'{k}={v}' for k, v in netns.HEAP_ENV.items())})" if c.keep_heap else "no"), flush=True)
         out = os.path.join(tmp, "check.json")
         if a.check:
             cmd = [sys.executable, os.path.abspath(__file__), "--worker-allreduce", out,
@@ -108,6 +135,12 @@ def main(argv=None):
         print(f"\nfp32 MPI.Allreduce of {S / 1e6:.1f} MB on {p} ranks: {r['median_s'] * 1e3:.1f} ms (median of "
               f"{a.rounds}); link-rate time 2(p-1)/p x S / rate = {want * 1e3:.1f} ms; "
               f"measured/expected = {1 + dev:.3f} (tolerance {a.tolerance:.0%})")
+        if "machine_busy" in r:
+            print(f"CPU during the timed calls: the machine {100 * r['machine_busy']:.0f} % busy of "
+                  f"{100 * r['ncpu']} %, the ranks themselves {100 * r['ranks_cpu']:.0f} % (their kernel work "
+                  f"included); the rest, about {100 * max(0.0, r['machine_busy'] - r['ranks_cpu']):.0f} %, is "
+                  f"softirq work outside the ranks and other users of the machine; 1-min load "
+                  f"{os.getloadavg()[0]:.2f}")
         ok = abs(dev) <= a.tolerance
         crossed = min(min(s, rv) for s, rv in delta.values())
         need = ring * r["calls"]

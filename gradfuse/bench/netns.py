@@ -20,6 +20,11 @@ itself runs in the head namespace, so the proxies connect back over the bridge. 
 pushed onto TCP (``MPIR_CVAR_NOLOCAL=1 MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp
 FI_TCP_IFACE=eth0``); NOLOCAL must stay because the namespaces share /dev/shm.
 
+On links of 5 Gbit/s and up (the ``10gbit`` preset), where the 2 cores rather than the
+link would otherwise set the pace, the ranks' malloc keeps freed memory (HEAP_ENV) and
+the hosts' TCP uses a loss-based congestion control (LOSS_BASED_CC): with both, an fp32
+allreduce of 102 MB on 2 hosts comes within 15 % of the 10 Gbit/s link rate here.
+
 Needs root (ip netns, tc). ``Cluster`` is a context manager; ``down()`` runs on exit,
 on an exception and on Ctrl-C, kills what still runs in the namespaces, and deletes them
 (the veths and the bridge go with them).
@@ -38,6 +43,30 @@ HEAD_IP = f"{SUBNET}.254"
 PRESETS = {"1gbit": ("1gbit", "100us"), "10gbit": ("10gbit", "25us")}
 MPI_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
            "FI_TCP_IFACE": "eth0"}
+# glibc serves every malloc over 32 MiB with a fresh mmap and unmaps it on free. MPICH's
+# allreduce mallocs a temporary buffer of the message's size on every call, so each call
+# of a 102 MB allreduce page-faults fresh, zeroed pages into its receive buffer
+# (measured: 12,478-12,876 faults a call per rank). At 10 Gbit/s that work lands on the
+# same 2 cores that run both hosts' TCP: it took an fp32 allreduce of ResNet-50's 102 MB
+# from 91-93 ms to 99-121 ms. With mmap off and no trimming, a freed block stays in the
+# heap and the next call reuses its pages (docs/benchmarks.md, "The link check"). Memory
+# freed by the ranks is then never given back to the kernel, so resident-set figures
+# read as peaks: only fast links, where the CPU is the limit, get it by default
+# (``Cluster(keep_heap=...)`` / ``emu_cluster.py --keep-heap/--no-keep-heap``).
+HEAP_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "4000000000"}
+# Links from this rate up get the two settings that keep the 2 cores from being the limit
+# (HEAP_ENV and a loss-based congestion control) unless the caller says otherwise.
+FAST_LINK_BPS = 5e9
+# A new namespace inherits the machine's TCP congestion control: BBR on this project's
+# machine. BBR paces every flow with a timer and now and then cuts its window to probe the
+# path's RTT (PROBE_RTT); measured at 10 Gbit/s with the heap kept, 3 of 9 quiet 102 MB
+# allreduces took 106-107 ms under BBR (the others 91.5-94.4), while under reno 17 of 17
+# took 90.6-92.8 (docs/benchmarks.md).
+# A loss-based control without pacing is also what a stock Linux host runs (cubic).
+# Namespaces other than the machine's own may only pick one from
+# net.ipv4.tcp_allowed_congestion_control (here "reno bbr"), so the hosts get the first
+# of these that they are allowed.
+LOSS_BASED_CC = ("cubic", "reno")
 _UNITS = {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12}
 
 
@@ -140,7 +169,7 @@ class Cluster:
             print(c.format_counters(c.counters()))
     """
 
-    def __init__(self, hosts, link="1gbit", burst=None, mtu=1500):
+    def __init__(self, hosts, link="1gbit", burst=None, mtu=1500, keep_heap=None, loss_based_cc=None):
         if not 1 <= hosts <= 250:
             raise ValueError(f"hosts must be 1..250, got {hosts}")
         self.hosts = hosts
@@ -149,6 +178,12 @@ class Cluster:
         # a burst of ~1 ms at the rate (at least 64 KiB, one GSO segment) keeps tbf exact
         self.burst = burst or max(64 << 10, int(self.bps / 8 / 1000))
         self.mtu = int(mtu)
+        # by default on links of 5 Gbit/s and up: the ranks' malloc keeps freed blocks
+        # (HEAP_ENV), and the hosts' TCP uses a loss-based congestion control (LOSS_BASED_CC)
+        fast = self.bps >= FAST_LINK_BPS
+        self.keep_heap = fast if keep_heap is None else bool(keep_heap)
+        self.loss_based_cc = fast if loss_based_cc is None else bool(loss_based_cc)
+        self.cc = None               # the hosts' congestion control, once up
         self.tag = f"{PREFIX}{os.getpid()}"
         self.br, self.head = f"{self.tag}-br", f"{self.tag}-head"
         self.ns = [f"{self.tag}-h{i}" for i in range(hosts)]
@@ -195,6 +230,7 @@ class Cluster:
                 if shaped:
                     self._shape(ns, "eth0", delay=True)       # the host's sending
                     self._shape(self.br, name, delay=False)   # the host's receiving
+                    self.cc = self._set_cc(ns)
             self.tmp = tempfile.mkdtemp(prefix=f"{self.tag}-")
             self.wrapper = os.path.join(self.tmp, "netns-ssh")
             cases = "\n".join(f"    {ip}) ns={ns} ;;" for ip, ns in zip(self.ips, self.ns))
@@ -225,6 +261,16 @@ class Cluster:
                 sys.stderr.write(f"netns: no netem delay ({r.stderr.strip()}); the links get the rate "
                                  f"only, their latency is the veth path's own\n")
 
+    def _set_cc(self, ns):
+        """The host's TCP congestion control: the first allowed of LOSS_BASED_CC where
+        ``loss_based_cc``, else the one the namespace inherited."""
+        if self.loss_based_cc:
+            for cc in LOSS_BASED_CC:
+                _sh("sysctl", "-q", f"net.ipv4.tcp_congestion_control={cc}", ns=ns, check=False)
+                if _sh("sysctl", "-n", "net.ipv4.tcp_congestion_control", ns=ns).strip() == cc:
+                    return cc
+        return _sh("sysctl", "-n", "net.ipv4.tcp_congestion_control", ns=ns).strip()
+
     def down(self):
         # the head (mpiexec) first, then the hosts, the bridge last
         order = [n for n in (self.head, *self.ns, self.br) if n in self._made]
@@ -243,8 +289,14 @@ class Cluster:
                 self.wrapper, "-iface", "eth0", "-n", str(ranks)] + list(argv)
 
     def env(self, base=None):
+        """``base`` (default: this process's environment) with MPICH pushed onto the links
+        (MPI_ENV), and HEAP_ENV where ``keep_heap``; a HEAP_ENV variable already in
+        ``base`` wins."""
         env = dict(os.environ if base is None else base)
         env.update(MPI_ENV)
+        if self.keep_heap:
+            for k, v in HEAP_ENV.items():
+                env.setdefault(k, v)
         return env
 
     def run(self, argv, timeout=None, **kw):
