@@ -29,6 +29,7 @@ from .compressors.base import BucketContext
 from .compressors.jobs import BucketTask, halves_cannot_fail, inputs_finite, job_class, pays, ring_bytes
 from .errors import NonFiniteError
 from .fusion.staging import F16, staging
+from .fusion.deferred import view_at
 from .fusion.tables import as_ndarray
 from .plain import bucket_names, pack, reduce, reduce_direct, reduce_rows, rows_buckets, uncompressed, unpack
 from .runtime import overlap as _overlap, timeline as _tl
@@ -98,7 +99,7 @@ class Step:
         inputs, outputs: ``gradfuse.fusion.tables.Inputs`` / ``Outputs`` of the call.
     """
 
-    __slots__ = ("cfg", "entry", "src", "dst", "tables", "in_objs", "out_objs", "result", "ready",
+    __slots__ = ("cfg", "entry", "src", "dst", "tables", "objs", "result", "ready",
                  "inplace", "staged", "deferred", "io", "unpaid")
 
     def __init__(self, cfg, entry, inputs, outputs):
@@ -115,24 +116,49 @@ class Step:
             self.deferred.taken = True
 
     def bind(self, inputs, outputs):
-        """The step's pointer tables and the views of the tensors reduced where they lie."""
+        """The step's pointer tables (the views of the tensors reduced where they lie are
+        made when a stage first asks: ``in_objs``/``out_objs``)."""
         entry = self.entry
-        plan, bk, d = entry.plan, entry.bk, self.deferred
+        plan, bk = entry.plan, entry.bk
         src, dst = inputs.ptrs[plan.order], outputs.ptrs[plan.order]
         self.inplace = bool(np.array_equal(src, dst))
         self.src, self.dst, self.tables = bk.pointers(src), bk.pointers(dst), bk.plan_tables(plan)
-        # tensors reduced where they lie go to the communicator as numpy views
+        self.objs = (inputs, outputs)
+
+    def _views(self):
+        """The call's objects, with numpy views of the tensors reduced where they lie (direct
+        buckets; a deferred call's views at the pointers its binding handed over, shaped
+        from the plan's own parse of the signature)."""
+        inputs, outputs = self.objs
+        entry = self.entry
+        plan, bk, d = entry.plan, entry.bk, self.deferred
         in_objs, out_objs = list(inputs.objs), list(outputs.objs)
         if bk.device == "cpu":
             for b in plan.buckets:
                 if b.direct:
                     i = int(plan.order[b.lo])
                     if d is not None:
-                        in_objs[i] = d.view(i)
-                        out_objs[i] = in_objs[i] if d.out_ptrs is None else d.view(i, output=True)
+                        dtype = _dt.DTYPE[entry.codes[i]]
+                        in_objs[i] = view_at(int(d.ptrs[i]), entry.shapes[i], dtype)
+                        out_objs[i] = in_objs[i] if d.out_ptrs is None else \
+                            view_at(int(d.out_ptrs[i]), entry.shapes[i], dtype)
                     else:
                         in_objs[i], out_objs[i] = as_ndarray(in_objs[i]), as_ndarray(out_objs[i])
-        self.in_objs, self.out_objs = in_objs, out_objs
+        self.objs = (in_objs, out_objs)
+
+    @property
+    def in_objs(self):
+        """The inputs, direct tensors as numpy views (made on the first use)."""
+        if not isinstance(self.objs[0], list):
+            self._views()
+        return self.objs[0]
+
+    @property
+    def out_objs(self):
+        """The outputs, direct tensors as numpy views (made on the first use)."""
+        if not isinstance(self.objs[0], list):
+            self._views()
+        return self.objs[1]
 
     def __call__(self):
         d = self.deferred

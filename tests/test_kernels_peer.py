@@ -34,8 +34,9 @@ def _ref_div(x, dtype, d):
     return x / dtype(d)
 
 
-def _run(ranks, code, divide, piece_bytes, inplace):
-    """Phase 1 for every rank, then phase 2 for every rank, as the fences order them."""
+def _run(ranks, code, divide, piece_bytes, inplace, stripe_bytes=None):
+    """Phase 1 for every rank (each of its stripes), then phase 2 for every rank, as the
+    fences order them."""
     p = len(ranks)
     dtype = np.dtype(np.uint16) if code == cma.BF16 else _dt.DTYPE[code]
     src_tab = np.array([[a.ctypes.data for a in src] for src, _ in ranks], np.int64)
@@ -43,13 +44,19 @@ def _run(ranks, code, divide, piece_bytes, inplace):
     counts = np.array([a.size for a in ranks[0][0]], np.int64)
     red = cma.CMAReducer.__new__(cma.CMAReducer)
     red.size = p
-    cuts = red._cuts(int(counts.sum()), dtype.itemsize)
+    saved = cma.STRIPE_BYTES
+    cma.STRIPE_BYTES = stripe_bytes or saved
+    try:
+        cuts = red._cuts(int(counts.sum()), dtype.itemsize)
+    finally:
+        cma.STRIPE_BYTES = saved
     pids = np.full(p, PID, np.int64)
     scratch = np.empty(piece_bytes * p, np.uint8)
     for me in range(p):
-        err, who = _core.peer_reduce(pids, me, src_tab, dst_tab[me], counts, code, int(cuts[me]),
-                                     int(cuts[me + 1]), divide, float(p), scratch)
-        assert (err, who) == (0, -1)
+        for c in range(me, cuts.size - 1, p):
+            err, who = _core.peer_reduce(pids, me, src_tab, dst_tab[me], counts, code, int(cuts[c]),
+                                         int(cuts[c + 1]), divide, float(p), scratch)
+            assert (err, who) == (0, -1)
     for me in range(p):
         assert _core.peer_gather(pids, me, dst_tab, counts, code, cuts) == (0, -1)
 
@@ -57,7 +64,8 @@ def _run(ranks, code, divide, piece_bytes, inplace):
 @pytest.mark.parametrize("p", [2, 3, 5])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64])
 @pytest.mark.parametrize("inplace", [True, False])
-def test_every_rank_gets_the_rank_order_sum(p, dtype, inplace):
+@pytest.mark.parametrize("stripe_bytes", [None, 40_000])       # one stripe per rank, or many
+def test_every_rank_gets_the_rank_order_sum(p, dtype, inplace, stripe_bytes):
     rng = np.random.default_rng(p * 10 + inplace)
     sizes = [0, 1, 7, 64, 1000, 0, 33_333, 3, 70_001, 5]     # empty rows, rows across pieces
     code = _dt.CODE[np.dtype(dtype)]
@@ -71,7 +79,7 @@ def test_every_rank_gets_the_rank_order_sum(p, dtype, inplace):
         dst = src if inplace else [np.full_like(s, 7) for s in src]
         ranks.append((src, dst))
     divide = np.dtype(dtype).kind == "f"
-    _run(ranks, code, divide, piece_bytes=4096, inplace=inplace)
+    _run(ranks, code, divide, piece_bytes=4096, inplace=inplace, stripe_bytes=stripe_bytes)
     for i in range(len(sizes)):
         want = _ref_sum([want_in[r][i] for r in range(p)], dtype)
         if divide:
@@ -129,17 +137,21 @@ def test_errors_name_the_rank_and_refuse_bad_tables():
         _core.peer_gather(pids, 0, bad[:1], counts, 2, np.array([0, 50, 100], np.int64))
     with pytest.raises(ValueError, match="cut points"):
         _core.peer_gather(pids, 0, bad, counts, 2, np.array([0, 50, 99], np.int64))
+    with pytest.raises(ValueError, match="k x 2 \\+ 1 cut points"):
+        _core.peer_gather(pids, 0, bad, counts, 2, np.array([0, 30, 60, 100], np.int64))
     assert _core.peer_read(PID, 4096, np.empty(8, np.uint8)) != 0
 
 
-def test_cuts_are_cache_line_multiples_and_cover_everything():
+def test_stripes_are_cache_line_multiples_a_multiple_of_the_ranks_and_cover_everything():
     red = cma.CMAReducer.__new__(cma.CMAReducer)
     for p in (2, 3, 7):
         red.size = p
-        for n, item in ((0, 4), (1, 4), (17, 2), (1000003, 4), (12345, 8)):
+        for n, item in ((0, 4), (1, 4), (17, 2), (1000003, 4), (12345, 8), (25_557_032, 4)):
             c = red._cuts(n, item)
-            assert c[0] == 0 and c[-1] == n and (np.diff(c) >= 0).all() and len(c) == p + 1
+            assert c[0] == 0 and c[-1] == n and (np.diff(c) >= 0).all() and (len(c) - 1) % p == 0
             assert all(int(v) % (64 // item) == 0 for v in c[1:-1] if v < n)
+            if n * item >= 2 * p * cma.STRIPE_BYTES:          # large calls: stripes near STRIPE_BYTES
+                assert 0.5 * cma.STRIPE_BYTES <= np.diff(c)[0] * item <= 1.5 * cma.STRIPE_BYTES
 
 
 @pytest.mark.parametrize("p", [2, 3])

@@ -8,12 +8,13 @@ kernel copy. ``CMAReducer`` uses it to sum tensors where they lie, with no fusio
 buffer, no pack and no unpack (the kernels and their contract: ``gradfuse/kernels/_peer.h``):
 
 1. the ranks publish their tensors' addresses (one ``MPI_Allgather`` per call);
-2. rank r sums chunk r of the tensors (the concatenation of one dtype's tensors, cut in
-   p chunks): it reads the peers' values of that chunk a cache-sized piece at a time,
-   adds them in rank order (divides when averaging) and writes its own outputs;
+2. rank r sums its stripes of the tensors (the concatenation of one dtype's tensors, cut
+   in stripes of about 2 MiB, stripe c rank c % p's): it reads the peers' values of each
+   a piece at a time, adds them in rank order (divides when averaging) and writes its own
+   outputs;
 3. every rank reports how that went (a small ``MPI_Allgather``: the fence, and every
    rank learns of any failure);
-4. rank r copies every other chunk from its owner's outputs into its own;
+4. rank r copies every other stripe from its owner's outputs into its own;
 5. a second report: no rank returns (and lets its caller overwrite a tensor) while a
    peer may still read it.
 
@@ -42,10 +43,15 @@ from ..errors import GradfuseError
 #: call costs ~5 us and a page walk of the peer's memory, so pieces are large, yet small
 #: enough to be summed from the cache (measured: docs/benchmarks.md, issue 15)
 PIECE_BYTES = 1 << 20
+#: the stripes each rank sums are about this long (bytes), taken from the whole of a call's
+#: tensors in turn: the small tensors of a gradient list come first and cost more per byte
+#: than the large ones (4 KiB pages, one row each), so contiguous halves left one rank
+#: waiting for the other at the fence (docs/benchmarks.md, issue 15)
+STRIPE_BYTES = 2 << 20
 #: below this many bytes in a call, the MPI library's allreduce (a few microseconds of
 #: latency) beats the address exchange and the two fences
 MIN_BYTES = 64 << 10
-_ALIGN = 64           # chunk boundaries on 64-byte multiples of the elements
+_ALIGN = 64           # stripe boundaries on 64-byte multiples of the elements
 _TOKEN = 64
 
 
@@ -116,11 +122,14 @@ class CMAReducer:
 
     # --- the collective ----------------------------------------------------------------
     def _cuts(self, n, itemsize):
-        """``size + 1`` cut points of ``n`` elements, on 64-byte multiples."""
+        """The stripes' cut points of ``n`` elements, on 64-byte multiples: a multiple of
+        the ranks' count of stripes of about ``STRIPE_BYTES`` (at least one per rank);
+        stripe c is rank c % size's."""
         step = max(1, _ALIGN // itemsize)
-        per = -(-n // self.size)
+        stripes = self.size * max(1, round(n * itemsize / (STRIPE_BYTES * self.size)))
+        per = -(-n // stripes)
         per = -(-per // step) * step
-        return np.minimum(np.arange(self.size + 1, dtype=np.int64) * per, n)
+        return np.minimum(np.arange(stripes + 1, dtype=np.int64) * per, n)
 
     def _fence(self, err, who, phase):
         """Every rank's (errno, peer) of a phase; raise the same error on every rank if
@@ -163,22 +172,25 @@ class CMAReducer:
         self.comm.Allgather([mine, MPI.INT64_T], [tables, MPI.INT64_T])
         err, who = 0, -1
         for code, src_tab, dst_tab, counts, cuts in plans:
-            err, who = _core.peer_reduce(self.pids, me, src_tab, dst_tab[me], counts, code, int(cuts[me]),
-                                         int(cuts[me + 1]), divisor is not None,
-                                         1.0 if divisor is None else float(divisor), self.scratch)
+            for c in range(me, cuts.size - 1, self.size):          # this rank's stripes
+                err, who = _core.peer_reduce(self.pids, me, src_tab, dst_tab[me], counts, code, int(cuts[c]),
+                                             int(cuts[c + 1]), divisor is not None,
+                                             1.0 if divisor is None else float(divisor), self.scratch)
+                if err:
+                    break
             if err:
                 break
-        self._fence(err, who, "summing this rank's chunk")
+        self._fence(err, who, "summing this rank's stripes")
         for code, src_tab, dst_tab, counts, cuts in plans:
             err, who = _core.peer_gather(self.pids, me, dst_tab, counts, code, cuts)
             if err:
                 break
-        self._fence(err, who, "copying the other ranks' chunks")
+        self._fence(err, who, "copying the other ranks' stripes")
 
     def _buffers(self, groups):
         """``(mine, tables, plans)`` for groups of these sizes: this rank's address row,
         every rank's (the allgather's receive buffer) and per group its code, views of
-        the source and destination tables in it, its counts and its chunk cuts; kept for
+        the source and destination tables in it, its counts and its stripes' cuts; kept for
         the next call with the same layout (at most ``MAX_LAYOUTS``)."""
         key = tuple((int(code), int(src.size)) for code, src, _, _ in groups)
         got = self._layouts.get(key)

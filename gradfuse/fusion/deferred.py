@@ -7,9 +7,6 @@ signature and byte sizes; their data pointers arrive on the communication thread
 """
 import numpy as np
 
-from .. import dtypes as _dt
-from .plan import parse_signature
-
 
 class Deferred:
     """Host arrays described now, whose data pointers arrive on the communication thread.
@@ -36,12 +33,6 @@ class Deferred:
         self.names, self.sig, self.nbytes, self.ptrs = names, sig, nbytes, ptrs
         self.out_ptrs, self.bind, self.finish, self.result = out_ptrs, bind, finish, result
         self.taken = False
-
-    def view(self, i, output=False):
-        """A numpy view of tensor ``i`` (input, or its output) once bound."""
-        code, shape = parse_signature(self.sig)[i]
-        ptr = int((self.out_ptrs if output and self.out_ptrs is not None else self.ptrs)[i])
-        return view_at(ptr, shape, _dt.DTYPE[code])
 
 
 class _Interface:

@@ -6,20 +6,25 @@
  * through one. The ranks of one host use it to allreduce the tensors where they lie:
  *
  *   A *table* is the rows of one dtype: nseg tensors, row i a contiguous run of
- *   counts[i] elements at address tab[r * nseg + i] in rank r's process (every rank
+ *   counts[i] elements at address tab[r * stride + i] in rank r's process (every rank
  *   publishes its own addresses; the counts are the same on every rank, the ranks agreed
- *   on them). In row order the rows form one vector of N elements, cut into p chunks by
- *   bounds[0..p] (bounds[0] = 0, bounds[p] = N); chunk r is rank r's.
+ *   on them). In row order the rows form one vector of N elements, cut into stripes by
+ *   bounds[0..nchunks] (bounds[0] = 0, bounds[nchunks] = N, nchunks a multiple of p);
+ *   stripe c is rank c % p's, so every rank owns stripes from the whole vector (a
+ *   gradient list's small tensors come first, its large ones last, and they do not cost
+ *   the same per byte: contiguous halves left one rank waiting at the fence).
  *
- *   Phase 1, gf_peer_reduce: rank `me` reads chunk `me` of every other rank's *source*
+ *   Phase 1, gf_peer_reduce, once per stripe [lo, hi) of rank `me`: it reads the stripe
+ *   of every other rank's *source*
  *   rows, a piece at a time (process_vm_readv into its scratch, one slot of `piece`
  *   bytes per rank), sums x_0 + x_1 + ... + x_{p-1} in rank order, each add in the
  *   dtype's arithmetic (float16, and bf16 words (code 6): gf_sum16's rule, a float32 add
  *   rounded once per add),
  *   divides the sum when asked (float16: in float32, rounded once; the same operations
  *   as _core.unpack_div), and writes chunk `me` of its own *destination* rows.
- *   Phase 2, gf_peer_gather (once every rank finished phase 1): for each chunk c != me,
- *   rank `me` copies owner c's destination rows into its own, straight from c's memory.
+ *   Phase 2, gf_peer_gather (once every rank finished phase 1): for each stripe of
+ *   another owner, rank `me` copies the owner's destination rows into its own, straight
+ *   from the owner's memory.
  *
  * Every element is summed once, by its owner, and copied to the others, so every rank
  * ends with the same bits; with p = 2 they are MPI_Allreduce's (a + b == b + a). The
@@ -28,8 +33,8 @@
  * byte through its cells.
  *
  * In place (source row == destination row) is allowed: phase 1 reads and writes only
- * chunk `me` of this rank's rows, and chunk `me` of the peers' source rows, which the
- * peers do not write in phase 1. The caller keeps every row alive and unwritten from
+ * the stripes of `me` in this rank's rows, and the same stripes of the peers' source rows,
+ * which the peers do not write in phase 1. The caller keeps every row alive and unwritten from
  * the moment its addresses are published until every rank finished phase 2.
  *
  * Both phases return 0, or an errno (EFAULT for a short copy) with *who set to the rank
@@ -343,18 +348,21 @@ static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src
     return 0;
 }
 
-/* Phase 2: every chunk c != me (bounds[c] .. bounds[c + 1]) copied from owner c's
- * destination rows (dst_tab row c, rows `stride` elements apart) into this rank's (row me). */
+/* Phase 2: every stripe c whose owner c % p is not me (bounds[c] .. bounds[c + 1] of
+ * nchunks) copied from the owner's destination rows (dst_tab row c % p, rows `stride`
+ * elements apart) into this rank's (row me). */
 static int gf_peer_gather(int p, int me, const int64_t *pids, const int64_t *dst_tab, int64_t stride,
-                          const int64_t *counts, int64_t nseg, int code, const int64_t *bounds, int *who)
+                          const int64_t *counts, int64_t nseg, int code, const int64_t *bounds, int64_t nchunks,
+                          int *who)
 {
     struct iovec liov[GF_PEER_IOV], riov[GF_PEER_IOV];
     const int64_t isz = gf_peer_itemsize(code);
-    int step;
-    for (step = 1; step < p; step++) {
-        int c = (me + step) % p, err;
-        int64_t pos = bounds[c], hi = bounds[c + 1];
+    int64_t ch;
+    for (ch = 0; ch < nchunks; ch++) {
+        int c = (int) (ch % p), err;
+        int64_t pos = bounds[ch], hi = bounds[ch + 1];
         gf_peer_cur cur;
+        if (c == me) continue;
         gf_peer_seek(&cur, counts, nseg, pos);
         while (pos < hi) {
             int n = 0;

@@ -9,7 +9,8 @@ cdef extern from "_peer.h" nogil:
                        const int64_t* dst, const int64_t* counts, int64_t nseg, int code, int64_t lo,
                        int64_t hi, int divide, double divisor, uint8_t* scratch, int64_t piece, int* who)
     int gf_peer_gather(int p, int me, const int64_t* pids, const int64_t* dst_tab, int64_t stride,
-                       const int64_t* counts, int64_t nseg, int code, const int64_t* bounds, int* who)
+                       const int64_t* counts, int64_t nseg, int code, const int64_t* bounds, int64_t nchunks,
+                       int* who)
 
 #: whether this build has cross-memory attach (Linux)
 PEER_SUPPORTED = bool(GF_PEER_OK)
@@ -83,21 +84,21 @@ def peer_reduce(const int64_t[::1] pids, int me, const int64_t[:, :] src_tab, co
 
 def peer_gather(const int64_t[::1] pids, int me, const int64_t[:, :] dst_tab, const int64_t[::1] counts,
                 int code, const int64_t[::1] bounds):
-    """Phase 2 (``_peer.h``): every chunk but this rank's (``bounds``: ranks + 1 cut
-    points of the table's elements) copied from its owner's destination rows (row c of
-    ``dst_tab``) into this rank's (row ``me``). Returns ``(errno, rank)``, ``(0, -1)``
-    when every read succeeded."""
+    """Phase 2 (``_peer.h``): every stripe of another rank (``bounds``: the cut points of
+    the table's elements, a multiple of ranks stripes; stripe c is rank c % ranks') copied
+    from its owner's destination rows (row ``c % ranks`` of ``dst_tab``) into this rank's
+    (row ``me``). Returns ``(errno, rank)``, ``(0, -1)`` when every read succeeded."""
     cdef int64_t total = _peer_check("peer_gather", pids, me, dst_tab, counts, code)
-    cdef Py_ssize_t p = pids.shape[0], i
+    cdef Py_ssize_t p = pids.shape[0], i, nchunks = bounds.shape[0] - 1
     cdef int err = 0, who = -1
-    if bounds.shape[0] != p + 1 or bounds[0] != 0 or bounds[p] != total:
-        raise ValueError(f"peer_gather: bounds must be {p + 1} cut points from 0 to {total}")
-    for i in range(p):
+    if nchunks < p or nchunks % p or bounds[0] != 0 or bounds[nchunks] != total:
+        raise ValueError(f"peer_gather: bounds must be k x {p} + 1 cut points from 0 to {total}")
+    for i in range(nchunks):
         if bounds[i] > bounds[i + 1]:
             raise ValueError(f"peer_gather: bounds are not increasing at {i}")
     if total == 0:
         return 0, -1
     with nogil:
         err = gf_peer_gather(<int> p, me, &pids[0], &dst_tab[0, 0], dst_tab.strides[0] // 8, &counts[0],
-                             counts.shape[0], code, &bounds[0], &who)
+                             counts.shape[0], code, &bounds[0], nchunks, &who)
     return err, who
