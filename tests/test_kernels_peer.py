@@ -34,9 +34,9 @@ def _ref_div(x, dtype, d):
     return x / dtype(d)
 
 
-def _run(ranks, code, divide, piece_bytes, inplace, stripe_bytes=None):
+def _run(ranks, code, divide, piece_bytes, inplace, stripe_bytes=None, push=False):
     """Phase 1 for every rank (each of its stripes), then phase 2 for every rank, as the
-    fences order them."""
+    fences order them; with ``push``, phase 1 alone (it writes the sums into every rank)."""
     p = len(ranks)
     dtype = np.dtype(np.uint16) if code == cma.BF16 else _dt.DTYPE[code]
     src_tab = np.array([[a.ctypes.data for a in src] for src, _ in ranks], np.int64)
@@ -54,9 +54,11 @@ def _run(ranks, code, divide, piece_bytes, inplace, stripe_bytes=None):
     scratch = np.empty(piece_bytes * p, np.uint8)
     for me in range(p):
         for c in range(me, cuts.size - 1, p):
-            err, who = _core.peer_reduce(pids, me, src_tab, dst_tab[me], counts, code, int(cuts[c]),
-                                         int(cuts[c + 1]), divide, float(p), scratch)
+            err, who = _core.peer_reduce(pids, me, src_tab, dst_tab, counts, code, int(cuts[c]),
+                                         int(cuts[c + 1]), divide, float(p), scratch, push)
             assert (err, who) == (0, -1)
+    if push:
+        return
     for me in range(p):
         assert _core.peer_gather(pids, me, dst_tab, counts, code, cuts) == (0, -1)
 
@@ -65,7 +67,8 @@ def _run(ranks, code, divide, piece_bytes, inplace, stripe_bytes=None):
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64])
 @pytest.mark.parametrize("inplace", [True, False])
 @pytest.mark.parametrize("stripe_bytes", [None, 40_000])       # one stripe per rank, or many
-def test_every_rank_gets_the_rank_order_sum(p, dtype, inplace, stripe_bytes):
+@pytest.mark.parametrize("push", [True, False])
+def test_every_rank_gets_the_rank_order_sum(p, dtype, inplace, stripe_bytes, push):
     rng = np.random.default_rng(p * 10 + inplace)
     sizes = [0, 1, 7, 64, 1000, 0, 33_333, 3, 70_001, 5]     # empty rows, rows across pieces
     code = _dt.CODE[np.dtype(dtype)]
@@ -79,7 +82,7 @@ def test_every_rank_gets_the_rank_order_sum(p, dtype, inplace, stripe_bytes):
         dst = src if inplace else [np.full_like(s, 7) for s in src]
         ranks.append((src, dst))
     divide = np.dtype(dtype).kind == "f"
-    _run(ranks, code, divide, piece_bytes=4096, inplace=inplace, stripe_bytes=stripe_bytes)
+    _run(ranks, code, divide, piece_bytes=4096, inplace=inplace, stripe_bytes=stripe_bytes, push=push)
     for i in range(len(sizes)):
         want = _ref_sum([want_in[r][i] for r in range(p)], dtype)
         if divide:
@@ -123,16 +126,16 @@ def test_errors_name_the_rank_and_refuse_bad_tables():
     counts = np.array([100], np.int64)
     scratch = np.empty(8192, np.uint8)
     bad = np.array([[x.ctypes.data], [4096]], np.int64)             # rank 1's row: an unmapped page
-    err, who = _core.peer_reduce(pids, 0, bad, bad[0], counts, 2, 0, 50, False, 1.0, scratch)
+    err, who = _core.peer_reduce(pids, 0, bad, bad, counts, 2, 0, 50, False, 1.0, scratch)
     assert who == 1 and err != 0
     assert np.array_equal(x, np.ones(100, np.float32))                # nothing written on a failed read
     with pytest.raises(ValueError, match="null address"):
-        _core.peer_reduce(pids, 0, np.array([[x.ctypes.data], [0]], np.int64), bad[0], counts, 2, 0, 50, False,
+        _core.peer_reduce(pids, 0, np.array([[x.ctypes.data], [0]], np.int64), bad, counts, 2, 0, 50, False,
                           1.0, scratch)
     with pytest.raises(IndexError, match="outside a table of 100"):
-        _core.peer_reduce(pids, 0, bad, bad[0], counts, 2, 0, 101, False, 1.0, scratch)
+        _core.peer_reduce(pids, 0, bad, bad, counts, 2, 0, 101, False, 1.0, scratch)
     with pytest.raises(TypeError, match="float dtype"):
-        _core.peer_reduce(pids, 0, bad, bad[0], counts, 4, 0, 50, True, 2.0, scratch)
+        _core.peer_reduce(pids, 0, bad, bad, counts, 4, 0, 50, True, 2.0, scratch)
     with pytest.raises(ValueError, match="shape"):
         _core.peer_gather(pids, 0, bad[:1], counts, 2, np.array([0, 50, 100], np.int64))
     with pytest.raises(ValueError, match="cut points"):
@@ -140,6 +143,14 @@ def test_errors_name_the_rank_and_refuse_bad_tables():
     with pytest.raises(ValueError, match="k x 2 \\+ 1 cut points"):
         _core.peer_gather(pids, 0, bad, counts, 2, np.array([0, 30, 60, 100], np.int64))
     assert _core.peer_read(PID, 4096, np.empty(8, np.uint8)) != 0
+    assert _core.peer_write(PID, 4096, np.ones(8, np.uint8)) != 0
+    y = np.zeros(8, np.uint8)
+    assert _core.peer_write(PID, y.ctypes.data, np.arange(8, dtype=np.uint8)) == 0 and (y == np.arange(8)).all()
+    # a failed write names the rank written to: rank 1's destination row is unmapped
+    dst = np.array([[x.ctypes.data], [4096]], np.int64)
+    err, who = _core.peer_reduce(pids, 0, np.array([[x.ctypes.data], [x.ctypes.data]], np.int64), dst, counts, 2,
+                                 0, 50, False, 1.0, scratch, True)
+    assert who == 1 and err != 0
 
 
 def test_stripes_are_cache_line_multiples_a_multiple_of_the_ranks_and_cover_everything():
@@ -185,7 +196,7 @@ def test_tables_may_be_slices_of_a_wider_table():
     cuts = np.array([0, 4512, 9008], np.int64)
     scratch = np.empty(8192, np.uint8)
     for me in range(2):
-        assert _core.peer_reduce(pids, me, tab, tab[me], counts, 2, int(cuts[me]), int(cuts[me + 1]), False, 1.0,
+        assert _core.peer_reduce(pids, me, tab, tab, counts, 2, int(cuts[me]), int(cuts[me + 1]), False, 1.0,
                                  scratch) == (0, -1)
     for me in range(2):
         assert _core.peer_gather(pids, me, tab, counts, 2, cuts) == (0, -1)

@@ -3,24 +3,28 @@
 When every rank of an MPI communicator runs on one host, its sums need not go through
 the MPI library's shared-memory path (which copies every byte into a shared cell and out
 again, and, for a large allreduce, through a temporary buffer). Linux's cross-memory
-attach, ``process_vm_readv``, copies straight from another process's memory in one
-kernel copy. ``CMAReducer`` uses it to sum tensors where they lie, with no fusion
-buffer, no pack and no unpack (the kernels and their contract: ``gradfuse/kernels/_peer.h``):
+attach (``process_vm_readv``, ``process_vm_writev``) copies straight between processes'
+memory in one kernel copy. ``CMAReducer`` uses it to sum tensors where they lie, with no
+fusion buffer, no pack and no unpack (the kernels and their contract:
+``gradfuse/kernels/_peer.h``):
 
 1. the ranks publish their tensors' addresses (one ``MPI_Allgather`` per call);
 2. rank r sums its stripes of the tensors (the concatenation of one dtype's tensors, cut
-   in stripes of about 2 MiB, stripe c rank c % p's): it reads the peers' values of each
-   a piece at a time, adds them in rank order (divides when averaging) and writes its own
-   outputs;
-3. every rank reports how that went (a small ``MPI_Allgather``: the fence, and every
-   rank learns of any failure);
-4. rank r copies every other stripe from its owner's outputs into its own;
-5. a second report: no rank returns (and lets its caller overwrite a tensor) while a
-   peer may still read it.
+   in stripes of about 2 MiB, stripe c rank c % p's): a piece at a time, it reads the
+   peers' values of the piece, adds them in rank order (divides when averaging), writes
+   the sums into its own outputs and from there into every peer's outputs (``push``);
+3. every rank reports how that went (a small ``MPI_Allgather``: the fence, after which no
+   rank returns, and lets its caller overwrite a tensor, while a peer may still read or
+   write it; every rank learns of any failure).
+
+Where the OS lets the ranks read each other but not write (``push`` off), step 2 keeps the
+sums at home and a second phase follows: after the fence, rank r copies every other
+stripe from its owner's outputs, and a second fence ends the call.
 
 Each element is summed once, by its owner, and copied to the others: every rank gets
-the same bits, with p = 2 those of ``MPI_Allreduce`` (a + b == b + a). Per rank it moves
-1.5 reads and 1 write of the data, the least any allreduce of private buffers can.
+the same bits, with p = 2 those of ``MPI_Allreduce`` (a + b == b + a). Per rank and byte
+of data it moves one read and one write when pushing (the sums leave from the cache), 1.5
+reads and one write when reading the sums back.
 
 It is on when the ranks share one host (``MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)``
 holds them all), the OS lets each rank read the others (probed at start-up: every rank
@@ -87,38 +91,54 @@ class CMAReducer:
         self._status = np.zeros(2, dtype=np.int64)
         self._statuses = np.zeros((self.size, 2), dtype=np.int64)
         self._layouts = collections.OrderedDict()      # groups' (code, rows) -> address tables
+        self.push = True         # sums written into the peers' memory (else: they read them)
 
     @classmethod
     def probe(cls, comm):
         """``(reducer, status)`` on every rank alike: a reducer when every rank could read
-        every other rank's memory, else ``(None, why not)``. Collective over ``comm``."""
+        every other rank's memory, else ``(None, why not)``. Writing into the peers'
+        memory (``process_vm_writev``) is probed too: where it works the reducer pushes
+        each sum to the peers (``push``), else they read it. Collective over ``comm``."""
         from mpi4py import MPI
         size, rank = comm.Get_size(), comm.Get_rank()
         if not _core.PEER_SUPPORTED:
             return None, "off: no cross-memory attach on this OS"
         token = np.frombuffer(os.urandom(_TOKEN), dtype=np.uint8).copy()
-        mine = np.concatenate([np.array([os.getpid(), token.ctypes.data], np.int64), token.view(np.int64)])
+        inbox = np.zeros((size, _TOKEN), np.uint8)        # each peer writes its token in its row
+        mine = np.concatenate([np.array([os.getpid(), token.ctypes.data, inbox.ctypes.data], np.int64),
+                               token.view(np.int64)])
         everyone = np.empty((size, mine.size), np.int64)
         comm.Allgather([mine, MPI.INT64_T], [everyone, MPI.INT64_T])
-        verdict = np.zeros(2, np.int64)            # (errno or -1 for a wrong token, peer)
+        verdict = np.zeros(3, np.int64)            # (errno or -1 for a wrong token, peer, write errno)
         got = np.empty(_TOKEN, np.uint8)
         for q in range(size):
             if q == rank:
                 continue
             err = _core.peer_read(int(everyone[q, 0]), int(everyone[q, 1]), got)
-            if err or not np.array_equal(got, everyone[q, 2:].view(np.uint8)):
-                verdict[:] = (err or -1, q)
+            if err or not np.array_equal(got, everyone[q, 3:].view(np.uint8)):
+                verdict[:2] = (err or -1, q)
                 break
-        verdicts = np.empty((size, 2), np.int64)
+            werr = _core.peer_write(int(everyone[q, 0]), int(everyone[q, 2]) + rank * _TOKEN, token)
+            if werr and not verdict[2]:
+                verdict[2] = werr
+        comm.Barrier()                              # every write has landed
+        for q in range(size):
+            if q != rank and not verdict[2] and not np.array_equal(inbox[q], everyone[q, 3:].view(np.uint8)):
+                verdict[2] = -1
+        verdicts = np.empty((size, 3), np.int64)
         comm.Allgather([verdict, MPI.INT64_T], [verdicts, MPI.INT64_T])
-        del token                                   # read by the peers until the gather above
+        del token, inbox                            # read and written by the peers until the gather above
         bad = [r for r in range(size) if verdicts[r, 0]]
         if bad:
             r = bad[0]
             err, q = int(verdicts[r, 0]), int(verdicts[r, 1])
             return None, (f"off: rank {r} could not read rank {q}'s memory with process_vm_readv: "
                           f"{_describe(max(err, 0))}")
-        return cls(comm, everyone[:, 0].copy()), "on: cross-memory attach between the ranks of this host"
+        reducer = cls(comm, everyone[:, 0].copy())
+        reducer.push = not verdicts[:, 2].any()
+        how = "each rank's sums written into the others' memory" if reducer.push else \
+            "each rank reads the others' sums (process_vm_writev refused)"
+        return reducer, f"on: cross-memory attach between the ranks of this host; {how}"
 
     # --- the collective ----------------------------------------------------------------
     def _cuts(self, n, itemsize):
@@ -142,8 +162,8 @@ class CMAReducer:
             r = int(bad[0])
             e, q = int(self._statuses[r, 0]), int(self._statuses[r, 1])
             raise GradfuseError(
-                f"intra-host allreduce ({phase}): rank {r} could not read rank {q}'s memory with "
-                f"process_vm_readv: {_describe(e)}; the outputs of this call are incomplete on every rank "
+                f"intra-host allreduce ({phase}): rank {r} could not read or write rank {q}'s memory "
+                f"(cross-memory attach): {_describe(e)}; the outputs of this call are incomplete on every rank "
                 f"(GRADFUSE_CMA=0 uses the MPI library's allreduce instead)")
 
     def allreduce(self, groups, divisor=None):
@@ -171,15 +191,18 @@ class CMAReducer:
             at += 2 * n
         self.comm.Allgather([mine, MPI.INT64_T], [tables, MPI.INT64_T])
         err, who = 0, -1
+        divide, d = divisor is not None, 1.0 if divisor is None else float(divisor)
         for code, src_tab, dst_tab, counts, cuts in plans:
             for c in range(me, cuts.size - 1, self.size):          # this rank's stripes
-                err, who = _core.peer_reduce(self.pids, me, src_tab, dst_tab[me], counts, code, int(cuts[c]),
-                                             int(cuts[c + 1]), divisor is not None,
-                                             1.0 if divisor is None else float(divisor), self.scratch)
+                err, who = _core.peer_reduce(self.pids, me, src_tab, dst_tab, counts, code, int(cuts[c]),
+                                             int(cuts[c + 1]), divide, d, self.scratch, self.push)
                 if err:
                     break
             if err:
                 break
+        if self.push:            # every rank's sums are in every rank's outputs once all are here
+            self._fence(err, who, "summing this rank's stripes into every rank's outputs")
+            return
         self._fence(err, who, "summing this rank's stripes")
         for code, src_tab, dst_tab, counts, cuts in plans:
             err, who = _core.peer_gather(self.pids, me, dst_tab, counts, code, cuts)

@@ -81,9 +81,9 @@ static inline int64_t gf_peer_itemsize(int code)
     return (code == GF_PEER_F16 || code == GF_PEER_BF16) ? 2 : (code == GF_PEER_F32 || code == GF_PEER_I32) ? 4 : 8;
 }
 
-/* Copy n matched (local, remote) iovec pairs from process pid, resuming after a partial
- * copy (the kernel stops at the first page it cannot read). 0 or an errno. */
-static int gf_peer_readv(int64_t pid, struct iovec *l, struct iovec *r, int n)
+/* Copy n matched (local, remote) iovec pairs from process pid (write: to it), resuming
+ * after a partial copy (the kernel stops at the first page it cannot reach). 0 or an errno. */
+static int gf_peer_copyv(int64_t pid, struct iovec *l, struct iovec *r, int n, int write)
 {
 #if GF_PEER_OK
     int i = 0;
@@ -91,8 +91,9 @@ static int gf_peer_readv(int64_t pid, struct iovec *l, struct iovec *r, int n)
         int64_t want = 0;
         int k;
         for (k = i; k < n; k++) want += (int64_t) l[k].iov_len;
-        ssize_t got = process_vm_readv((pid_t) pid, l + i, (unsigned long) (n - i), r + i,
-                                       (unsigned long) (n - i), 0);
+        ssize_t got = write
+            ? process_vm_writev((pid_t) pid, l + i, (unsigned long) (n - i), r + i, (unsigned long) (n - i), 0)
+            : process_vm_readv((pid_t) pid, l + i, (unsigned long) (n - i), r + i, (unsigned long) (n - i), 0);
         if (got < 0) return errno ? errno : EFAULT;
         if (got == want) return 0;
         if (got == 0) return EFAULT;
@@ -108,20 +109,26 @@ static int gf_peer_readv(int64_t pid, struct iovec *l, struct iovec *r, int n)
     }
     return 0;
 #else
-    (void) pid; (void) l; (void) r; (void) n;
+    (void) pid; (void) l; (void) r; (void) n; (void) write;
     return ENOSYS;
 #endif
 }
 
-/* One read of n bytes at addr in process pid into out (the probe). 0 or an errno. */
-static int gf_peer_read(int64_t pid, int64_t addr, uint8_t *out, int64_t n)
+static int gf_peer_readv(int64_t pid, struct iovec *l, struct iovec *r, int n)
+{
+    return gf_peer_copyv(pid, l, r, n, 0);
+}
+
+/* One copy of n bytes between addr in process pid and buf here (write: buf to addr; the
+ * probe). 0 or an errno. */
+static int gf_peer_copy(int64_t pid, int64_t addr, uint8_t *buf, int64_t n, int write)
 {
     struct iovec l, r;
-    l.iov_base = out;
+    l.iov_base = buf;
     l.iov_len = (size_t) n;
     r.iov_base = (void *) (uintptr_t) addr;
     r.iov_len = (size_t) n;
-    return gf_peer_readv(pid, &l, &r, 1);
+    return gf_peer_copyv(pid, &l, &r, 1, write);
 }
 
 /* A position in a table: row s starts at element base of the vector. */
@@ -263,19 +270,23 @@ static inline void gf_peer_sfence(void)
 #endif
 }
 
-/* Phase 1: chunk [lo, hi) of the vector, summed into this rank's destination rows.
- * src_tab: p rows of nseg source addresses (row r: rank r's), `stride` elements apart;
- * dst: this rank's destination addresses; scratch: p slots of `piece` bytes (piece a
- * multiple of 64). */
-static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src_tab, int64_t stride,
-                          const int64_t *dst, const int64_t *counts, int64_t nseg, int code, int64_t lo,
-                          int64_t hi, int divide, double divisor, uint8_t *scratch, int64_t piece, int *who)
+/* Phase 1: stripe [lo, hi) of the vector, summed into this rank's destination rows.
+ * src_tab, dst_tab: p rows of nseg source / destination addresses (row r: rank r's),
+ * `stride` elements apart; scratch: p slots of `piece` bytes (piece a multiple of 64).
+ * push: each piece's sums are also written into every peer's destination rows
+ * (process_vm_writev), so no phase 2 follows: the sums are read once (from the cache,
+ * just written) instead of by every peer from this rank's memory. */
+static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src_tab, const int64_t *dst_tab,
+                          int64_t stride, const int64_t *counts, int64_t nseg, int code, int64_t lo,
+                          int64_t hi, int divide, double divisor, uint8_t *scratch, int64_t piece, int push,
+                          int *who)
 {
     struct iovec liov[GF_PEER_IOV], riov[GF_PEER_IOV];
     int64_t seg_s[GF_PEER_IOV], seg_off[GF_PEER_IOV], seg_n[GF_PEER_IOV];
     const void *xs[64];
     const int64_t isz = gf_peer_itemsize(code);
     const int64_t per_piece = piece / isz;
+    const int64_t *dst = dst_tab + (int64_t) me * stride;
     gf_peer_cur cur;
     int64_t pos = lo;
     if (p < 2 || p > 64 || per_piece < 1) return EINVAL;
@@ -331,7 +342,7 @@ static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src
                 xs[q] = (q == me && p == 2)
                     ? (const void *) ((const uint8_t *) (uintptr_t) src_tab[(int64_t) me * stride + seg_s[k]] + seg_off[k] * isz)
                     : (const void *) (scratch + (int64_t) q * piece + done);
-            if (p == 2 && out != xs[0] && out != xs[1]
+            if (!push && p == 2 && out != xs[0] && out != xs[1]
                     && gf_peer_add2_stream(code, out, xs[0], xs[1], seg_n[k], divide, divisor)) {
                 done += seg_n[k] * isz;
                 continue;                                  /* out of place: streamed */
@@ -340,6 +351,20 @@ static int gf_peer_reduce(int p, int me, const int64_t *pids, const int64_t *src
             for (q = 2; q < p; q++) gf_peer_add(code, out, out, xs[q], seg_n[k]);
             if (divide) gf_peer_div(code, out, seg_n[k], divisor);
             done += seg_n[k] * isz;
+        }
+        if (push) {                                        /* the sums into every peer's rows */
+            for (q = 0; q < p; q++) {
+                if (q == me) continue;
+                for (k = 0; k < np; k++) {
+                    liov[k].iov_base = (void *) (uintptr_t) (dst[seg_s[k]] + seg_off[k] * isz);
+                    liov[k].iov_len = (size_t) (seg_n[k] * isz);
+                    riov[k].iov_base = (void *) (uintptr_t) (dst_tab[(int64_t) q * stride + seg_s[k]]
+                                                             + seg_off[k] * isz);
+                    riov[k].iov_len = liov[k].iov_len;
+                }
+                err = gf_peer_copyv(pids[q], liov, riov, np, 1);
+                if (err) { *who = q; return err; }
+            }
         }
         cur = c;
         pos = end;

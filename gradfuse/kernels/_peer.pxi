@@ -4,10 +4,11 @@
 
 cdef extern from "_peer.h" nogil:
     int GF_PEER_OK
-    int gf_peer_read(int64_t pid, int64_t addr, uint8_t* out, int64_t n)
-    int gf_peer_reduce(int p, int me, const int64_t* pids, const int64_t* src_tab, int64_t stride,
-                       const int64_t* dst, const int64_t* counts, int64_t nseg, int code, int64_t lo,
-                       int64_t hi, int divide, double divisor, uint8_t* scratch, int64_t piece, int* who)
+    int gf_peer_copy(int64_t pid, int64_t addr, uint8_t* buf, int64_t n, int write)
+    int gf_peer_reduce(int p, int me, const int64_t* pids, const int64_t* src_tab, const int64_t* dst_tab,
+                       int64_t stride, const int64_t* counts, int64_t nseg, int code, int64_t lo,
+                       int64_t hi, int divide, double divisor, uint8_t* scratch, int64_t piece, int push,
+                       int* who)
     int gf_peer_gather(int p, int me, const int64_t* pids, const int64_t* dst_tab, int64_t stride,
                        const int64_t* counts, int64_t nseg, int code, const int64_t* bounds, int64_t nchunks,
                        int* who)
@@ -49,25 +50,37 @@ def peer_read(int64_t pid, int64_t addr, uint8_t[::1] out):
     if out.shape[0] == 0:
         return 0
     with nogil:
-        err = gf_peer_read(pid, addr, &out[0], out.shape[0])
+        err = gf_peer_copy(pid, addr, &out[0], out.shape[0], 0)
     return err
 
 
-def peer_reduce(const int64_t[::1] pids, int me, const int64_t[:, :] src_tab, const int64_t[::1] dst,
+def peer_write(int64_t pid, int64_t addr, const uint8_t[::1] data):
+    """Copy ``data`` to ``addr`` in process ``pid``; 0 or an errno."""
+    cdef int err
+    if data.shape[0] == 0:
+        return 0
+    with nogil:
+        err = gf_peer_copy(pid, addr, <uint8_t*> &data[0], data.shape[0], 1)
+    return err
+
+
+def peer_reduce(const int64_t[::1] pids, int me, const int64_t[:, :] src_tab, const int64_t[:, :] dst_tab,
                 const int64_t[::1] counts, int code, int64_t lo, int64_t hi, bint divide, double divisor,
-                uint8_t[::1] scratch):
+                uint8_t[::1] scratch, bint push=False):
     """Phase 1 (``_peer.h``): elements ``lo:hi`` of the table, summed over the ranks'
     source rows ``src_tab`` (ranks x rows; a slice of a wider table is fine) into this
-    rank's destination rows ``dst``,
-    divided by ``divisor`` when ``divide``. ``scratch``: one slot per rank, each of
+    rank's destination rows (row ``me`` of ``dst_tab``, laid out like ``src_tab``),
+    divided by ``divisor`` when ``divide``; with ``push``, also written into every other
+    rank's destination rows. ``scratch``: one slot per rank, each of
     ``len(scratch) // ranks`` bytes rounded down to 64. Returns ``(errno, rank)``,
-    ``(0, -1)`` when every read succeeded."""
+    ``(0, -1)`` when every copy succeeded."""
     cdef int64_t total = _peer_check("peer_reduce", pids, me, src_tab, counts, code)
     cdef Py_ssize_t p = pids.shape[0]
     cdef int64_t piece = (scratch.shape[0] // p) // 64 * 64
     cdef int err = 0, who = -1
-    if dst.shape[0] != counts.shape[0]:
-        raise ValueError(f"peer_reduce: {dst.shape[0]} destination rows for {counts.shape[0]} counts")
+    _peer_check("peer_reduce", pids, me, dst_tab, counts, code)
+    if dst_tab.strides[0] != src_tab.strides[0]:
+        raise ValueError("peer_reduce: the source and destination tables must have the same row stride")
     if lo < 0 or lo > hi or hi > total:
         raise IndexError(f"peer_reduce: range {lo}:{hi} outside a table of {total} elements")
     if divide and code != 1 and code != 2 and code != 3:       # (bf16 words, code 6, are never divided)
@@ -77,8 +90,9 @@ def peer_reduce(const int64_t[::1] pids, int me, const int64_t[:, :] src_tab, co
     if hi == lo:
         return 0, -1
     with nogil:
-        err = gf_peer_reduce(<int> p, me, &pids[0], &src_tab[0, 0], src_tab.strides[0] // 8, &dst[0], &counts[0],
-                             counts.shape[0], code, lo, hi, divide, divisor, &scratch[0], piece, &who)
+        err = gf_peer_reduce(<int> p, me, &pids[0], &src_tab[0, 0], &dst_tab[0, 0], src_tab.strides[0] // 8,
+                             &counts[0], counts.shape[0], code, lo, hi, divide, divisor, &scratch[0], piece,
+                             push, &who)
     return err, who
 
 

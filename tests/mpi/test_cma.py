@@ -49,7 +49,7 @@ def test_on_between_the_ranks_of_one_host(world):
         assert c.cma is None and c.cma_status == "off: GRADFUSE_CMA=0"
         pytest.skip("GRADFUSE_CMA=0")
     assert c.cma_status.startswith("on"), c.cma_status
-    assert c.reduces_rows
+    assert c.reduces_rows and c.cma.push, c.cma_status
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32, np.int64])
@@ -106,12 +106,15 @@ def test_pipeline_matches_the_mpi_path(world, monkeypatch):
                 assert _same_everywhere(world, got)
 
 
-def test_groups_of_rows(world):
-    """allreduce_rows: several dtypes in one call, rows of every size, empty rows."""
+@pytest.mark.parametrize("push", [True, False])
+def test_groups_of_rows(world, push):
+    """allreduce_rows: several dtypes in one call, rows of every size, empty rows; sums
+    pushed into the peers' outputs, or read back by them (where writes are refused)."""
     from gradfuse.runtime.context import default_context
     c = default_context().comm
     if c.cma is None:
         pytest.skip(c.cma_status)
+    saved, c.cma.push = c.cma.push, push
     rng = np.random.default_rng(world.rank + 100)
     f32 = [rng.standard_normal(n).astype(np.float32) for n in (5, 0, 100_000, 1, 4099)]
     i64 = [rng.integers(0, 10, n) for n in (3, 70_000)]
@@ -122,8 +125,11 @@ def test_groups_of_rows(world):
     def rows(xs):
         return np.array([x.ctypes.data if x.size else 1 for x in xs], np.int64)
 
-    c.allreduce_rows([(2, rows(f32), rows(out32), np.array([x.size for x in f32], np.int64)),
-                      (5, rows(i64), rows(i64), np.array([x.size for x in i64], np.int64))])
+    try:
+        c.allreduce_rows([(2, rows(f32), rows(out32), np.array([x.size for x in f32], np.int64)),
+                          (5, rows(i64), rows(i64), np.array([x.size for x in i64], np.int64))])
+    finally:
+        c.cma.push = saved
     for got, want in zip(out32 + i64, want32 + want64):
         assert np.array_equal(got, want)
 
@@ -143,7 +149,7 @@ def test_a_failed_read_raises_on_every_rank_and_the_next_call_matches(world):
     if world.rank == 0:
         c.cma.pids[1] = gone
     try:
-        with pytest.raises(GradfuseError, match="rank 0 could not read rank 1's memory") as info:
+        with pytest.raises(GradfuseError, match="rank 0 could not read or write rank 1's memory") as info:
             c.allreduce_rows([(2, rows, rows, np.array([x.size], np.int64))])
     finally:
         c.cma.pids[:] = saved
