@@ -44,6 +44,17 @@ def unpack(step, b, divide, size):
             bk.unpack(b.buffer, step.dst, t.offsets, t.nbytes, b.lo, b.hi)
 
 
+def reduce_bucket(step, comm, b, divide, size):
+    """Sum plain bucket ``b``: its one tensor where it lies (direct), or packed, reduced
+    and unpacked."""
+    if b.direct:
+        reduce_direct(step, comm, b, divide, size)
+    else:
+        pack(step, b)
+        reduce(step, comm, b)
+        unpack(step, b, divide, size)
+
+
 def rows_buckets(step, comm, plain, jobs, vel):
     """{bucket index: bucket} of the plain buckets that ``comm`` sums where their tensors
     lie (``allreduce_rows``: between the ranks of one host, ``gradfuse.comm.cma``), or
@@ -104,12 +115,7 @@ def uncompressed(step, comm, b, divide, size):
     cfg, entry, bk = step.cfg, step.entry, step.entry.bk
     taken = cfg.state.take_residual((entry.state_key, b.index), bk)
     if taken is None:
-        if b.direct:
-            reduce_direct(step, comm, b, divide, size)
-        else:
-            pack(step, b)
-            reduce(step, comm, b)
-            unpack(step, b, divide, size)
+        reduce_bucket(step, comm, b, divide, size)
         return
     e, es = taken
 

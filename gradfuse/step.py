@@ -31,7 +31,7 @@ from .errors import NonFiniteError
 from .fusion.staging import F16, staging
 from .fusion.deferred import view_at
 from .fusion.tables import as_ndarray
-from .plain import bucket_names, pack, reduce, reduce_direct, reduce_rows, rows_buckets, uncompressed, unpack
+from .plain import bucket_names, reduce, reduce_bucket, reduce_rows, rows_buckets, uncompressed, unpack
 from .runtime import overlap as _overlap, timeline as _tl
 from .runtime.control import Request
 
@@ -237,12 +237,8 @@ class Step:
                 plain_velocity(self, comm, b, vel, divide, size)
             elif b.index in self.unpaid:
                 uncompressed(self, comm, b, divide, size)
-            elif b.direct:
-                reduce_direct(self, comm, b, divide, size)
             else:
-                pack(self, b)
-                reduce(self, comm, b)
-                unpack(self, b, divide, size)
+                reduce_bucket(self, comm, b, divide, size)
             cfg.stats.bytes_reduced += b.nbytes
             cfg.stats.bytes_sent += ring_bytes(b.nbytes, comm.size)
         for job in jobs.values():
@@ -431,12 +427,7 @@ def skip(step, comm):
     for b in plan.buckets:
         dtype = _dt.DTYPE[b.code]
         if b.code not in _dt.FLOAT_CODES:
-            if b.direct:
-                reduce_direct(step, comm, b, False, 1.0)
-            else:
-                pack(step, b)
-                reduce(step, comm, b)
-                unpack(step, b, False, 1.0)
+            reduce_bucket(step, comm, b, False, 1.0)
             continue
         if b.direct:
             step.out_objs[int(plan.order[b.lo])][...] = dtype.type(np.nan)
