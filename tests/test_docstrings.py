@@ -16,7 +16,8 @@ import pytest
 
 # the modules docs/api/ documents; gradfuse.torch needs torch (the np2 leg of CI has it)
 MODULES = ["gradfuse", "gradfuse.compressors", "gradfuse.compressors.registry",
-           "gradfuse.compressors.base", "gradfuse.experiments", "gradfuse.mxnet", "gradfuse.torch"]
+           "gradfuse.compressors.base", "gradfuse.comm.cma", "gradfuse.experiments", "gradfuse.mxnet",
+           "gradfuse.torch"]
 # modules without __all__: their public names
 EXPLICIT = {"gradfuse.compressors.registry": ["register_compressor", "available", "create"],
             "gradfuse.compressors.base": ["Compressor", "BucketContext", "NoneCompressor"]}
