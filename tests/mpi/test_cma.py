@@ -198,3 +198,23 @@ def test_the_intra_host_sum_allocates_nothing_in_steady_state(world):
     finally:
         tracemalloc.stop()
     assert peak - cur0 < 4096, f"the calls' allocations peaked {peak - cur0} bytes above their start"
+
+
+def test_mxnet_direct_and_fused_tensors_on_either_path(world):
+    """gradfuse.mxnet hands its arrays over in MXNet's engine (a deferred step): a large
+    tensor reduced where it lies (a direct bucket, 2 MiB) beside small fused ones, in
+    place and out of place. This file also runs with GRADFUSE_CMA=0 (the MPI library's
+    path, where the step makes numpy views of the direct tensors at MXNet's pointers), and
+    both give the rank-order sum."""
+    mx = pytest.importorskip("mxnet")
+    import gradfuse.mxnet as hvd
+    hvd.init()
+    rng = np.random.default_rng(world.rank + 3)
+    host = [rng.standard_normal(s).astype(np.float32) for s in ((512, 1024), (7,), (300,), (1 << 16,))]
+    want = [_rank_order_sum(world, x) for x in host]
+    nds = [mx.nd.array(x) for x in host]
+    outs = hvd.grouped_allreduce(nds, op=hvd.Sum, name="cma.mx.oop")
+    hvd.grouped_allreduce_(nds, op=hvd.Sum, name="cma.mx.inplace")
+    for got in (outs, nds):
+        for g, w in zip(got, want):
+            assert np.array_equal(g.asnumpy(), w)
