@@ -434,6 +434,44 @@ def test_decompress_table(dpath, cuts, divisor):
                 # (the untouched elements get 0.0f / divisor: -0 for -2, NaN for 0)
 
 
+@pytest.mark.parametrize("divisor", [1.0, 2.0, -2.0, 0.0])
+def test_decompress_shared_large_tensors_streamed(dpath, divisor):
+    """Tensors of at least 256 KiB with the rows' shared ascending positions: the AVX2 path
+    writes them with non-temporal stores, chunk by chunk from a 64-byte boundary (plain
+    stores for the head and the tail, and for a tensor that is not even float-aligned);
+    the same bits as the reference and the scalar path wherever the tensors start and
+    wherever the positions fall (head, chunk edges, tail)."""
+    counts = [70001, 65536, 3, 131075, 65540]
+    n = sum(counts)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    rng = np.random.default_rng(5)
+    pos = set(rng.choice(n, 2000, replace=False).tolist())
+    for a, c in zip(starts, counts):       # head, around the 1024-float chunks, tail of every tensor
+        pos |= {a + j for j in (0, 1, 7, 15, 16, 17, 1023, 1024, 1025, 2047, c - 17, c - 16, c - 1) if 0 <= j < c}
+    idx1 = np.array(sorted(pos), np.uint32)
+    k = idx1.size
+    for p in (1, 2, 3):
+        vals = np.ascontiguousarray(np.stack([make_data(k, "special", 40 + r) for r in range(p)]), np.float32)
+        idx = np.ascontiguousarray(np.tile(idx1, (p, 1)))
+        want = ref.decompress_sum(vals, idx, n, divisor)
+        for shift in (0, 1, 5, 15):         # where the tensors start against a 64-byte line
+            raw = np.full(n + 16 * len(counts) + 16, 7.0, np.float32)
+            parts, at = [], shift
+            for c in counts:
+                parts.append(raw[at:at + c])
+                at += c + 3
+            if shift == 5:                  # one tensor not even float-aligned (bytes at an odd address)
+                buf = np.zeros(4 * counts[0] + 1, np.uint8)
+                parts[0] = np.frombuffer(buf.data, np.float32, counts[0], offset=1)
+            ptrs = np.array([x.ctypes.data for x in parts], np.int64)
+            offsets = np.array(starts, np.int64)
+            core.sparse_decompress_sum(vals, idx, ptrs, offsets, np.array(counts, np.int64), 0, len(counts), divisor)
+            assert_same(np.concatenate(parts), want)
+            gaps = [raw[:shift]] + [raw[shift + sum(counts[:i + 1]) + 3 * i:shift + sum(counts[:i + 1]) + 3 * i + 3]
+                                    for i in range(len(counts))]
+            assert all((gap == 7.0).all() for gap in gaps)          # nothing written outside the tensors
+
+
 def test_decompress_table_unsorted_indices(dpath):
     n = 1009
     rng = np.random.default_rng(3)

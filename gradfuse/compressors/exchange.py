@@ -110,6 +110,7 @@ class BucketJob:
         self.velocity = None          # (x, u) once apply_velocity ran: what the compressor read, u
         self.stream = False           # decoded right after its exchange, in shared buffers (the step cannot fail)
         self.slot = 0                 # streamed and pipelined (runtime.overlap): which of two shared buffers
+        self.group_bufs = None        # an exchange group's views for this bucket's wire rows (grouped.py)
 
     def apply_velocity(self, velocity):
         """DGC's momentum correction (``gradfuse.compressors.momentum``): update this rank's
@@ -195,30 +196,43 @@ class AllgatherJob(BucketJob):
     algorithm = "allgather"
     posted = False       # runtime.overlap._run_posted: the allgather was posted and has completed
 
+    def wire_layout(self):
+        """The bytes of this rank's payload row (an exchange group lays the rows of its
+        buckets side by side: ``gradfuse.compressors.grouped``)."""
+        return Wire(self.comp.bucket_layout(self.ctx))
+
     def compress(self):
         p = self.comm.size
-        wire = Wire(self.comp.bucket_layout(self.ctx))
-        key = ("allgather", wire.nbytes, p)
-        bufs = self.cache.get(key)
-        if bufs is None:
-            bk = self.bk
-            bufs = (bk.empty_bytes(wire.nbytes), bk.empty_bytes(wire.nbytes * p).reshape(p, wire.nbytes))
-            bufs[0][:] = 0
-            self.cache.clear()
-            self.cache[key] = bufs
-        send, recv = bufs
+        wire = self.wire_layout()
+        if self.group_bufs is not None:        # views into the exchange group's buffers
+            send, recv = self.group_bufs
+        else:
+            key = ("allgather", wire.nbytes, p)
+            bufs = self.cache.get(key)
+            if bufs is None:
+                bk = self.bk
+                bufs = (bk.empty_bytes(wire.nbytes), bk.empty_bytes(wire.nbytes * p).reshape(p, wire.nbytes))
+                bufs[0][:] = 0
+                self.cache.clear()
+                self.cache[key] = bufs
+            send, recv = bufs
         Wire.header(send)[0] = self.compress_into(wire.views(send))
         self.wire, self.send, self.recv = wire, send, recv
 
     def exchange(self):
-        """The allgather, then the bookkeeping; only the bookkeeping where the allgather was
-        posted and has completed (``posted``: ``runtime.overlap._run_posted``)."""
+        """The allgather, then the bookkeeping (``received``); only the bookkeeping where the
+        allgather was posted and has completed (``posted``: ``runtime.overlap._run_posted``)."""
         if not self.posted:
             self.comm.allgather(self.send, self.recv)
         self.posted = False
-        p = self.comm.size
-        self.stats.bytes_sent += self.wire.nbytes * (p - 1)
-        flags = self.bk.host(Wire.header(self.recv)[:, 0])
+        self.received()
+
+    def received(self):
+        """After the allgather (this bucket's, or its exchange group's): the bytes sent, and
+        which ranks reported non-finite values."""
+        p, wire, recv = self.comm.size, self.wire, self.recv
+        self.stats.bytes_sent += wire.nbytes * (p - 1)
+        flags = self.bk.host(Wire.header(recv)[:, 0])
         self.nonfinite_ranks = [r for r in range(p) if flags[r]]
 
     def decode(self):

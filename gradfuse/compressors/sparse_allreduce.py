@@ -39,19 +39,30 @@ class SparseAllreduceJob(BucketJob):
 
     algorithm = "sparse_allreduce"
 
+    def wire_layout(self):
+        """The bytes of one wire row (p rows go out, one to each rank): an int64 header and
+        ``cb = ceil(K / p)`` float32 values."""
+        (dtype, k), = self.comp.bucket_layout(self.ctx)
+        return Wire([(np.dtype(np.float32), max(1, -(-k // self.comm.size)))])
+
     def compress(self):
         p, bk = self.comm.size, self.bk
         (dtype, k), = self.comp.bucket_layout(self.ctx)
         cb = max(1, -(-k // p))
         wire = Wire([(np.dtype(np.float32), cb)])
-        key = ("sparse_allreduce", wire.nbytes, p, k)
+        key = ("sparse_allreduce", wire.nbytes, p, k, self.group_bufs is not None)
         bufs = self.cache.get(key)
         if bufs is None:
             mk = lambda: bk.empty_bytes(wire.nbytes * p).reshape(p, wire.nbytes)   # noqa: E731
-            bufs = (mk(), mk(), bk.empty_bytes(wire.nbytes), mk(), bk.zeros(p * cb, np.float32))
-            bufs[0][:] = 0
+            if self.group_bufs is not None:   # the wire rows live in the exchange group's buffers
+                bufs = (None, None, None, None, bk.zeros(p * cb, np.float32))
+            else:
+                bufs = (mk(), mk(), bk.empty_bytes(wire.nbytes), mk(), bk.zeros(p * cb, np.float32))
+                bufs[0][:] = 0
             self.cache.clear()
             self.cache[key] = bufs
+        if self.group_bufs is not None:
+            bufs = tuple(self.group_bufs) + (bufs[4],)
         send, recv, ssend, srecv, values = bufs
         bad = self.compress_into([values[:k]])
         rows = wire.rows(send)[0]
@@ -60,9 +71,17 @@ class SparseAllreduceJob(BucketJob):
         self.wire, self.bufs, self.k, self.cb = wire, bufs, k, cb
 
     def exchange(self):
-        p, wire, bk = self.comm.size, self.wire, self.bk
         send, recv, ssend, srecv, values = self.bufs
         self.comm.alltoall(send, recv)
+        self.serve()
+        self.comm.allgather(ssend, srecv)
+        self.received()
+
+    def serve(self):
+        """Between the alltoall and the allgather: this rank's chunk of every rank, summed
+        in rank order, and the header naming the ranks that reported non-finite values."""
+        p, wire, bk = self.comm.size, self.wire, self.bk
+        send, recv, ssend, srecv, values = self.bufs
         rows = wire.rows(recv)[0]
         (acc,) = wire.views(ssend)
         acc[...] = rows[0]
@@ -70,7 +89,12 @@ class SparseAllreduceJob(BucketJob):
             bk.xp.add(acc, rows[r], out=acc)
         worker_flags = bk.host(Wire.header(recv)[:, 0])
         Wire.header(ssend)[0] = rank_mask(worker_flags)
-        self.comm.allgather(ssend, srecv)
+
+    def received(self):
+        """After the allgather of the summed chunks: the bytes sent, and the ranks that
+        reported non-finite values (the servers' masks)."""
+        p, wire, bk = self.comm.size, self.wire, self.bk
+        send, recv, ssend, srecv, values = self.bufs
         self.stats.bytes_sent += 2 * wire.nbytes * (p - 1)
         mask = 0
         for m in bk.host(Wire.header(srecv)[:, 0]).tolist():

@@ -631,6 +631,147 @@ static int64_t gf_sp_gather_table(const int64_t* src, const int64_t* offsets, co
     return bad;
 }
 
+/*
+ * Random-k in two passes, for a step that sends the values before it updates the
+ * residuals (gradfuse.compressors.randomk_batch): the same values, residual and
+ * non-finite count as gf_sp_gather_table, split so that the values can travel while
+ * the residual pass runs.
+ *
+ * gf_sp_randomk_values: values[m] = g[indices[m]] + e_in[indices[m]] (g[...] without a
+ * residual), tensor after tensor; reads only the k positions. Returns the number of
+ * non-finite values.
+ */
+static int64_t gf_sp_randomk_values(const int64_t* src, const int64_t* offsets, const int64_t* counts,
+                                    int64_t lo, int64_t hi, const float* e_in,
+                                    int64_t k, const uint32_t* indices, float* values)
+{
+    int64_t t, m = 0, bad = 0;
+    for (t = lo; t < hi && m < k; t++) {
+        const float* g = (const float*) (uintptr_t) src[t];
+        int64_t off = offsets[t], end = off + counts[t];
+        if (counts[t] <= 0)
+            continue;
+        if (e_in) {
+            for (; m < k && (int64_t) indices[m] < end; m++) {
+                float v = g[indices[m] - off] + e_in[indices[m]];
+                values[m] = v;
+                bad += (gf_sp_fbits(v) & 0x7fffffffu) >= 0x7f800000u;
+            }
+        } else {
+            for (; m < k && (int64_t) indices[m] < end; m++) {
+                float v = g[indices[m] - off];
+                values[m] = v;
+                bad += (gf_sp_fbits(v) & 0x7fffffffu) >= 0x7f800000u;
+            }
+        }
+    }
+    return bad;
+}
+
+/* c = g + e into c over [0, len), then c[ix[j] - base] = 0 for the positions of
+ * ix[0..nix) (ascending, all inside the block); the non-finite count of c before the
+ * zeros (as gf_sp_gather_table counts: every position, the drawn ones included). */
+static int64_t gf_sp_update_block_scalar(const float* g, const float* e, float* c, int64_t len)
+{
+    int64_t i, bad = 0;
+    for (i = 0; i < len; i++) {
+        float v = g[i] + e[i];
+        c[i] = v;
+        bad += (gf_sp_fbits(v) & 0x7fffffffu) >= 0x7f800000u;
+    }
+    return bad;
+}
+
+static int64_t gf_sp_count_block(const float* g, int64_t len)
+{
+    return gf_sp_count_nonfinite((const uint32_t*) g, len);
+}
+
+#if GF_SP_HAVE_AVX2
+__attribute__((target("avx2")))
+static int64_t gf_sp_update_block_avx2(const float* g, const float* e, float* c, int64_t len)
+{
+    int64_t i = 0, bad = 0;
+    const __m256i vabs = _mm256_set1_epi32(0x7fffffff);
+    const __m256i vfin = _mm256_set1_epi32(0x7f7fffff);
+    __m256i vbad = _mm256_setzero_si256();
+    uint32_t tmp[8];
+    int t;
+    for (; i + 16 <= len; i += 16) {
+        __m256 v0 = _mm256_add_ps(_mm256_loadu_ps(g + i), _mm256_loadu_ps(e + i));
+        __m256 v1 = _mm256_add_ps(_mm256_loadu_ps(g + i + 8), _mm256_loadu_ps(e + i + 8));
+        _mm256_storeu_ps(c + i, v0);
+        _mm256_storeu_ps(c + i + 8, v1);
+        vbad = _mm256_sub_epi32(vbad, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v0), vabs), vfin));
+        vbad = _mm256_sub_epi32(vbad, _mm256_cmpgt_epi32(_mm256_and_si256(_mm256_castps_si256(v1), vabs), vfin));
+    }
+    _mm256_storeu_si256((__m256i*) tmp, vbad);
+    for (t = 0; t < 8; t++)
+        bad += tmp[t];
+    return bad + gf_sp_update_block_scalar(g + i, e + i, c + i, len - i);
+}
+
+__attribute__((target("avx2")))
+static int64_t gf_sp_count_block_avx2(const float* g, int64_t len)
+{
+    int64_t i = 0, bad = 0;
+    const __m256i vabs = _mm256_set1_epi32(0x7fffffff);
+    const __m256i vfin = _mm256_set1_epi32(0x7f7fffff);
+    __m256i vbad = _mm256_setzero_si256();
+    uint32_t tmp[8];
+    int t;
+    for (; i + 8 <= len; i += 8)
+        vbad = _mm256_sub_epi32(vbad, _mm256_cmpgt_epi32(
+            _mm256_and_si256(_mm256_loadu_si256((const __m256i*) (g + i)), vabs), vfin));
+    _mm256_storeu_si256((__m256i*) tmp, vbad);
+    for (t = 0; t < 8; t++)
+        bad += tmp[t];
+    return bad + gf_sp_count_block(g + i, len - i);
+}
+#endif
+
+/*
+ * gf_sp_randomk_residual: the residual pass. e_out = g + e_in off the indices, 0 on them
+ * (e_out may be e_in); without a residual (both NULL) it only counts. Returns the number
+ * of non-finite g + e (g without a residual) over every position, the drawn ones
+ * included: gf_sp_gather_table's count. Blocks of GF_SP_BLK elements, so the zeros go
+ * into lines still in L1.
+ */
+static int64_t gf_sp_randomk_residual(const int64_t* src, const int64_t* offsets, const int64_t* counts,
+                                      int64_t lo, int64_t hi, const float* e_in, float* e_out,
+                                      int64_t k, const uint32_t* indices)
+{
+    int64_t t, i0, len, m = 0, bad = 0;
+    for (t = lo; t < hi; t++) {
+        const float* g = (const float*) (uintptr_t) src[t];
+        int64_t off = offsets[t], cnt = counts[t];
+        if (cnt <= 0)
+            continue;
+        for (i0 = 0; i0 < cnt; i0 += GF_SP_BLK) {
+            len = cnt - i0 < GF_SP_BLK ? cnt - i0 : GF_SP_BLK;
+            if (e_out) {
+                float* c = e_out + off + i0;
+#if GF_SP_HAVE_AVX2
+                if (gf_use_avx2)
+                    bad += gf_sp_update_block_avx2(g + i0, e_in + off + i0, c, len);
+                else
+#endif
+                    bad += gf_sp_update_block_scalar(g + i0, e_in + off + i0, c, len);
+                for (; m < k && (int64_t) indices[m] < off + i0 + len; m++)
+                    e_out[indices[m]] = 0.0f;
+            } else {
+#if GF_SP_HAVE_AVX2
+                if (gf_use_avx2)
+                    bad += gf_sp_count_block_avx2(g + i0, len);
+                else
+#endif
+                    bad += gf_sp_count_block(g + i0, len);
+            }
+        }
+    }
+    return bad;
+}
+
 /* ------------------------------------------------------------------------------ */
 /* decompress-and-accumulate                                                        */
 
@@ -678,18 +819,82 @@ static int gf_sp_shared_ascending(const uint32_t* indices, int64_t p, int64_t k)
     return 1;
 }
 
+/* the shared-positions sum of payload position m: ((0.0f + v[0][m]) + v[1][m]) + ..., / fdiv */
+static inline float gf_sp_shared_sum(const float* values, int64_t p, int64_t k, int64_t m, int div, float fdiv)
+{
+    float acc = 0.0f;
+    int64_t r;
+    for (r = 0; r < p; r++)
+        acc += values[r * k + m];
+    return div ? acc / fdiv : acc;
+}
+
+/* tensors of at least this many bytes are written with non-temporal stores (AVX2 path):
+ * no read for ownership of lines that are overwritten whole, and no eviction of the
+ * cache for 100 MB of output; smaller ones stay in the cache for whoever reads them next */
+#define GF_SP_NT_BYTES (256 * 1024)
+#define GF_SP_NT_CHUNK 1024            /* floats staged in L1 per chunk (4 KiB) */
+
+#if GF_SP_HAVE_AVX2
+/*
+ * d[0..cnt) = z, except d[indices[m] - off] = the shared sum of m for the indices of
+ * this tensor (from *pm on, ascending, all below off + cnt); *pm advanced past them.
+ * The head up to a 64-byte boundary and the tail are plain stores; in between, chunks
+ * are built in an L1 buffer and streamed out whole lines at a time (_mm256_stream_ps).
+ * The same values as the plain loop: only the stores differ.
+ */
+__attribute__((target("avx2")))
+static void gf_sp_fill_scatter_nt(float* d, int64_t cnt, int64_t off, float z, const float* values,
+                                  const uint32_t* indices, int64_t p, int64_t k, int64_t* pm, int div, float fdiv)
+{
+    float buf[GF_SP_NT_CHUNK] __attribute__((aligned(64)));
+    const __m256 vz = _mm256_set1_ps(z);
+    int64_t m = *pm, i, pos, len, head = 0;
+    uintptr_t a = (uintptr_t) d;
+    if (a & 3) {
+        head = cnt;                     /* not float-aligned: no streaming at all */
+    } else {
+        head = (int64_t) (((64 - (a & 63)) & 63) >> 2);
+        if (head > cnt)
+            head = cnt;
+    }
+    for (i = 0; i < head; i++)
+        d[i] = z;
+    for (; m < k && (int64_t) indices[m] < off + head; m++)
+        d[indices[m] - off] = gf_sp_shared_sum(values, p, k, m, div, fdiv);
+    for (pos = head; pos < cnt; pos += len) {
+        int64_t full;
+        len = cnt - pos < GF_SP_NT_CHUNK ? cnt - pos : GF_SP_NT_CHUNK;
+        for (i = 0; i < len; i += 8)
+            _mm256_store_ps(buf + i, vz);
+        for (; m < k && (int64_t) indices[m] < off + pos + len; m++)
+            buf[indices[m] - off - pos] = gf_sp_shared_sum(values, p, k, m, div, fdiv);
+        full = len & ~(int64_t) 15;     /* whole 64-byte lines */
+        for (i = 0; i < full; i += 16) {
+            _mm256_stream_ps(d + pos + i, _mm256_load_ps(buf + i));
+            _mm256_stream_ps(d + pos + i + 8, _mm256_load_ps(buf + i + 8));
+        }
+        for (; i < len; i++)
+            d[pos + i] = buf[i];
+    }
+    _mm_sfence();
+    *pm = m;
+}
+#endif
+
 /*
  * The same sums when every row holds the same strictly ascending positions: position
  * indices[m] gets ((0.0f + values[0][m]) + values[1][m]) + ... / fdiv, every other
  * element 0.0f / fdiv (0.0f when divisor == 1), which is what the general path's
  * clear, adds and divide pass give there, bit for bit; one write of the tensors instead
- * of a clear and a read-modify-write of them all.
+ * of a clear and a read-modify-write of them all (non-temporal for large tensors on the
+ * AVX2 path: gf_sp_fill_scatter_nt).
  */
 static void gf_sp_decompress_shared(const float* values, const uint32_t* indices, int64_t p, int64_t k,
                                     const int64_t* dst, const int64_t* offsets, const int64_t* counts,
                                     int64_t lo, int64_t hi, double divisor)
 {
-    int64_t t, i, r, m = 0;
+    int64_t t, i, m = 0;
     int div = divisor != 1.0;
     float fdiv = (float) divisor;
     float z = div ? 0.0f / fdiv : 0.0f;
@@ -700,20 +905,22 @@ static void gf_sp_decompress_shared(const float* values, const uint32_t* indices
         int64_t off = offsets[t], cnt = counts[t];
         if (cnt <= 0)
             continue;
+        /* the indices are ascending and the rows' ranges ascending and disjoint */
+        while (m < k && (int64_t) indices[m] < off)
+            m++;
+#if GF_SP_HAVE_AVX2
+        if (gf_use_avx2 && cnt * (int64_t) sizeof(float) >= GF_SP_NT_BYTES) {
+            gf_sp_fill_scatter_nt(d, cnt, off, z, values, indices, p, k, &m, div, fdiv);
+            continue;
+        }
+#endif
         if (zb == 0)
             memset(d, 0, (size_t) cnt * sizeof(float));
         else
             for (i = 0; i < cnt; i++)
                 d[i] = z;
-        /* the indices are ascending and the rows' ranges ascending and disjoint */
-        while (m < k && (int64_t) indices[m] < off)
-            m++;
-        for (; m < k && (int64_t) indices[m] < off + cnt; m++) {
-            float acc = 0.0f;
-            for (r = 0; r < p; r++)
-                acc += values[r * k + m];
-            d[indices[m] - off] = div ? acc / fdiv : acc;
-        }
+        for (; m < k && (int64_t) indices[m] < off + cnt; m++)
+            d[indices[m] - off] = gf_sp_shared_sum(values, p, k, m, div, fdiv);
     }
 }
 

@@ -208,9 +208,10 @@ class Inject:
     """Patch ``cls.<stage>`` to raise on bucket ``bad`` at the ``when``-th call of its
     stage (every rank alike), recording when each call of it ended."""
 
-    def __init__(self, monkeypatch, cls, stage, bad, slow=0.0):
+    def __init__(self, monkeypatch, cls, stage, bad, slow=0.0, method=None):
         self.calls, self.ended, self.armed = [], [], False
-        orig = getattr(cls, stage)
+        method = method or stage
+        orig = getattr(cls, method)
         self.thread = None
 
         def patched(job):
@@ -224,7 +225,7 @@ class Inject:
             finally:
                 self.ended.append(time.monotonic())
                 self.thread = threading.get_ident()
-        monkeypatch.setattr(cls, stage, patched)
+        monkeypatch.setattr(cls, method, patched)
 
 
 @pytest.mark.parametrize("name,opts,cls", [
@@ -238,7 +239,12 @@ def test_an_error_in_one_bucket_reaches_every_rank(world, monkeypatch, name, opt
     a, b = pair(name, opts)
     a.allreduce(grads_for(rank, 0))
     b.allreduce(grads_for(rank, 0))
-    inj = Inject(monkeypatch, cls, stage, bad=2, slow=0.2 if stage == "exchange" else 0.0)
+    # random-k's buckets go in exchange groups (gradfuse.compressors.grouped), whose
+    # collectives are the group's: the bucket's own part of its exchange is serve(), the
+    # sum of this rank's chunks between the alltoall and the allgather (these buckets'
+    # rows are a few hundred bytes: one group)
+    method = "serve" if cls is SparseAllreduceJob and stage == "exchange" else stage
+    inj = Inject(monkeypatch, cls, stage, bad=2, slow=0.2 if stage == "exchange" else 0.0, method=method)
     inj.armed = True
     before = a.state_dict()["step"]
     with pytest.raises(RuntimeError, match=f"injected {stage} error in bucket 2"):
@@ -305,3 +311,57 @@ def test_serial_below_thread_multiple(world, monkeypatch):
     for step in range(2):
         assert same(a.allreduce(grads_for(rank, step)), b.allreduce(grads_for(rank, step)))
     assert a._cfg.overlap.runs == 0
+
+
+@pytest.mark.parametrize("name,opts,caps", [
+    ("randomk", {"ratio": 0.05, "seed": 3}, (40, 90)),
+    ("randomk", {"ratio": 0.1, "algorithm": "allreduce", "sparsity_warmup": 3}, (40, 90)),    # layouts change
+    ({"t2": {"name": "randomk", "algorithm": "allreduce"}, "t5": "1bit", "t8": "fp16",
+      "*": {"name": "randomk", "ratio": 0.2}}, {}, (400, 900)),     # both algorithms, other jobs after
+    ("randomk", {"ratio": 0.05, "error_feedback": False}, (40, 90)),
+])
+def test_randomk_exchange_groups_are_the_serial_bits(world, monkeypatch, name, opts, caps):
+    """random-k's buckets exchange in groups on the communication thread
+    (gradfuse.compressors.grouped); with groups of a few buckets each (the caps made small
+    here), the results, residuals and counters are the serial step's (one collective per
+    bucket), on every rank, and a non-finite step is refused or skipped alike."""
+    from gradfuse.compressors import grouped
+    monkeypatch.setattr(grouped, "LAST_GROUP", caps[0])
+    monkeypatch.setattr(grouped, "MAX_GROUP", caps[1])
+    made = []
+    plan = grouped.plan
+
+    def spy(jobs, comm):
+        groups = plan(jobs, comm)
+        made.append([[j.bucket.index for j in g.jobs] for g in groups])
+        return groups
+    monkeypatch.setattr(grouped, "plan", spy)
+    rank, size = world.Get_rank(), world.Get_size()
+    for policy in ("raise", "skip"):
+        a, b = pair(name, opts, nonfinite=policy)
+        for step in range(5):
+            g = grads_for(rank, step)
+            if step == 3 and rank == size - 1:
+                g["t6"][11] = np.nan
+            outs = []
+            for pipe in (a, b):
+                try:
+                    outs.append(pipe.allreduce(g))
+                except NonFiniteError as exc:
+                    outs.append(str(exc))
+            if step == 3 and policy == "raise":
+                assert isinstance(outs[0], str) and outs[0] == outs[1], outs
+                assert f"rank(s) {size - 1}" in outs[0]
+            else:
+                assert same(*outs), (name, opts, policy, step)
+            assert same_state(a, b), (name, opts, policy, step)
+            got = world.allgather(a.state_dict()["step"])
+            assert len(set(got)) == 1
+        assert a.stats.as_dict() == b.stats.as_dict()
+        assert a._cfg.overlap.runs >= 4
+    # groups of several buckets, several groups, every randomk bucket in exactly one
+    assert made and all(len(m) >= 3 for m in made), made
+    assert any(len(grp) >= 2 for m in made for grp in m), made
+    for m in made:
+        flat = [i for grp in m for i in grp]
+        assert len(flat) == len(set(flat))
