@@ -472,6 +472,36 @@ def test_decompress_shared_large_tensors_streamed(dpath, divisor):
             assert all((gap == 7.0).all() for gap in gaps)          # nothing written outside the tensors
 
 
+@pytest.mark.parametrize("divisor", [1.0, 2.0, -2.0, 0.0])
+def test_decompress_shared_takes_one_row_of_positions_and_strided_rows(dpath, divisor):
+    """sparse_decompress_shared: the rows' one shared row of positions and the rows where
+    they lie (a receive buffer's rows, wider than k apart) give sparse_decompress_sum's
+    bits with the row repeated p times; positions that are not strictly ascending or out
+    of range are refused before anything is written."""
+    cuts = [0, 3, 70001, 0, 5, 65536]
+    n = 70001 + 65536 + 2000
+    rng = np.random.default_rng(9)
+    idx1 = np.sort(rng.choice(n, 3000, replace=False)).astype(np.uint32)
+    k = idx1.size
+    for p in (1, 2, 3):
+        wide = np.full((p, k + 37), 11.0, np.float32)            # rows k + 37 apart
+        wide[:, :k] = np.stack([make_data(k, "special", 60 + r) for r in range(p)])
+        vals = wide[:, :k]
+        parts, ptrs, offsets, counts = split_table(np.full(n, 5.0, np.float32), cuts)
+        core.sparse_decompress_shared(vals, idx1, ptrs, offsets, counts, 0, len(ptrs), divisor)
+        want = ref.decompress_sum(np.ascontiguousarray(vals), np.tile(idx1, (p, 1)), n, divisor)
+        assert_same(np.concatenate(parts), want)
+    parts, ptrs, offsets, counts = split_table(np.full(n, 5.0, np.float32), cuts)
+    for bad in (np.array([3, 3], np.uint32), np.array([5, 2], np.uint32), np.array([0, n], np.uint32)):
+        with pytest.raises(ValueError, match="strictly ascending"):
+            core.sparse_decompress_shared(np.ones((2, 2), np.float32), bad, ptrs, offsets, counts, 0,
+                                          len(ptrs), 1.0)
+    assert (np.concatenate(parts) == 5.0).all()
+    with pytest.raises(ValueError, match="contiguous"):
+        core.sparse_decompress_shared(np.ones((2, 4), np.float32)[:, ::2], np.array([0, 1], np.uint32), ptrs,
+                                      offsets, counts, 0, len(ptrs), 1.0)
+
+
 def test_decompress_table_unsorted_indices(dpath):
     n = 1009
     rng = np.random.default_rng(3)

@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import _core
 from .base import Compressor, array_module, kernels, tensor_counts
-from .topk import check_ratio, ks_for, table_ks
+from .topk import check_ratio, ks_for
 
 M64 = (1 << 64) - 1
 
@@ -70,6 +70,19 @@ class RandomK(Compressor):
     def __init__(self, **options):
         super().__init__(**options)
         self._drawn = {}      # (bucket, step) -> indices drawn by compress, reused by decompress
+        self._ks = {}         # (ratio, tensor counts) -> k_i of each tensor (a bucket's, every step)
+
+    def ks(self, ratio, counts):
+        """``ks_for(ratio, counts)`` (int64, one k per tensor), kept per bucket layout: a
+        step asks for it for every bucket, several times."""
+        key = (ratio, counts if isinstance(counts, tuple) else tuple(np.asarray(counts).tolist()))
+        ks = self._ks.get(key)
+        if ks is None:
+            if len(self._ks) > 4096:
+                self._ks.clear()
+            ks = self._ks[key] = ks_for(ratio, key[1])
+            ks.setflags(write=False)
+        return ks
 
     def ratio_at(self, ctx):
         """The ratio of the step ``ctx`` describes (every k of the step derives from it)."""
@@ -81,13 +94,13 @@ class RandomK(Compressor):
     def indices(self, counts, ctx):
         """The bucket positions drawn for tensors of these element counts (host uint32)."""
         counts = np.ascontiguousarray(counts, np.int64).reshape(-1)
-        ks = ks_for(self.ratio_at(ctx), counts)
+        ks = self.ks(self.ratio_at(ctx), counts)
         idx = np.empty(int(ks.sum()), np.uint32)
         _core.randomk_indices(self._seed(ctx), counts, ks, idx)
         return idx
 
     def bucket_layout(self, ctx):
-        return [(np.dtype(np.float32), int(ks_for(self.ratio_at(ctx), ctx.counts).sum()))]
+        return [(np.dtype(np.float32), int(self.ks(self.ratio_at(ctx), tuple(ctx.counts)).sum()))]
 
     def compress(self, c, payloads, ctx):
         c = np.ascontiguousarray(c, np.float32)
@@ -101,8 +114,9 @@ class RandomK(Compressor):
     def compress_table(self, table, e_in, e_out, payloads, ctx):
         src, off, cnt, lo, hi = table
         idx = array_module(ctx).empty(payloads[0].size, np.uint32)
+        ks = self.ks(self.ratio_at(ctx), tuple(cnt[lo:hi].tolist()))
         bad = kernels(ctx).randomk_compress(src, off, cnt, lo, hi, e_in, e_out, self._seed(ctx),
-                                            table_ks(self.ratio_at(ctx), table), payloads[0], idx)
+                                            ks, payloads[0], idx)
         if any(key[1] != ctx.step for key in self._drawn):
             self._drawn = {k: v for k, v in self._drawn.items() if k[1] == ctx.step}
         self._drawn[(ctx.bucket, ctx.step)] = idx
@@ -114,6 +128,9 @@ class RandomK(Compressor):
         xp = array_module(ctx)
         if idx is None:                    # not compressed here (e.g. a reference path): draw again
             idx = xp.asarray(self.indices(np.asarray(cnt[lo:hi]), ctx))
+        if xp is np:     # the rows share the drawn positions: one row of them, the rows as they lie
+            _core.sparse_decompress_shared(rows[0], idx, dst, off, cnt, lo, hi, divisor)
+            return True
         rows_idx = xp.ascontiguousarray(xp.broadcast_to(idx, (rows[0].shape[0], idx.size)))
         kernels(ctx).sparse_decompress_sum(xp.ascontiguousarray(rows[0]), rows_idx, dst, off, cnt, lo, hi, divisor)
         return True

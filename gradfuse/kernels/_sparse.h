@@ -819,13 +819,14 @@ static int gf_sp_shared_ascending(const uint32_t* indices, int64_t p, int64_t k)
     return 1;
 }
 
-/* the shared-positions sum of payload position m: ((0.0f + v[0][m]) + v[1][m]) + ..., / fdiv */
-static inline float gf_sp_shared_sum(const float* values, int64_t p, int64_t k, int64_t m, int div, float fdiv)
+/* the shared-positions sum of payload position m: ((0.0f + v[0][m]) + v[1][m]) + ..., / fdiv
+ * (row r of the values at values + r * vs) */
+static inline float gf_sp_shared_sum(const float* values, int64_t p, int64_t vs, int64_t m, int div, float fdiv)
 {
     float acc = 0.0f;
     int64_t r;
     for (r = 0; r < p; r++)
-        acc += values[r * k + m];
+        acc += values[r * vs + m];
     return div ? acc / fdiv : acc;
 }
 
@@ -844,7 +845,7 @@ static inline float gf_sp_shared_sum(const float* values, int64_t p, int64_t k, 
  * The same values as the plain loop: only the stores differ.
  */
 __attribute__((target("avx2")))
-static void gf_sp_fill_scatter_nt(float* d, int64_t cnt, int64_t off, float z, const float* values,
+static void gf_sp_fill_scatter_nt(float* d, int64_t cnt, int64_t off, float z, const float* values, int64_t vs,
                                   const uint32_t* indices, int64_t p, int64_t k, int64_t* pm, int div, float fdiv)
 {
     float buf[GF_SP_NT_CHUNK] __attribute__((aligned(64)));
@@ -861,14 +862,14 @@ static void gf_sp_fill_scatter_nt(float* d, int64_t cnt, int64_t off, float z, c
     for (i = 0; i < head; i++)
         d[i] = z;
     for (; m < k && (int64_t) indices[m] < off + head; m++)
-        d[indices[m] - off] = gf_sp_shared_sum(values, p, k, m, div, fdiv);
+        d[indices[m] - off] = gf_sp_shared_sum(values, p, vs, m, div, fdiv);
     for (pos = head; pos < cnt; pos += len) {
         int64_t full;
         len = cnt - pos < GF_SP_NT_CHUNK ? cnt - pos : GF_SP_NT_CHUNK;
         for (i = 0; i < len; i += 8)
             _mm256_store_ps(buf + i, vz);
         for (; m < k && (int64_t) indices[m] < off + pos + len; m++)
-            buf[indices[m] - off - pos] = gf_sp_shared_sum(values, p, k, m, div, fdiv);
+            buf[indices[m] - off - pos] = gf_sp_shared_sum(values, p, vs, m, div, fdiv);
         full = len & ~(int64_t) 15;     /* whole 64-byte lines */
         for (i = 0; i < full; i += 16) {
             _mm256_stream_ps(d + pos + i, _mm256_load_ps(buf + i));
@@ -890,7 +891,7 @@ static void gf_sp_fill_scatter_nt(float* d, int64_t cnt, int64_t off, float z, c
  * of a clear and a read-modify-write of them all (non-temporal for large tensors on the
  * AVX2 path: gf_sp_fill_scatter_nt).
  */
-static void gf_sp_decompress_shared(const float* values, const uint32_t* indices, int64_t p, int64_t k,
+static void gf_sp_decompress_shared(const float* values, int64_t vs, const uint32_t* indices, int64_t p, int64_t k,
                                     const int64_t* dst, const int64_t* offsets, const int64_t* counts,
                                     int64_t lo, int64_t hi, double divisor)
 {
@@ -910,7 +911,7 @@ static void gf_sp_decompress_shared(const float* values, const uint32_t* indices
             m++;
 #if GF_SP_HAVE_AVX2
         if (gf_use_avx2 && cnt * (int64_t) sizeof(float) >= GF_SP_NT_BYTES) {
-            gf_sp_fill_scatter_nt(d, cnt, off, z, values, indices, p, k, &m, div, fdiv);
+            gf_sp_fill_scatter_nt(d, cnt, off, z, values, vs, indices, p, k, &m, div, fdiv);
             continue;
         }
 #endif
@@ -920,7 +921,7 @@ static void gf_sp_decompress_shared(const float* values, const uint32_t* indices
             for (i = 0; i < cnt; i++)
                 d[i] = z;
         for (; m < k && (int64_t) indices[m] < off + cnt; m++)
-            d[indices[m] - off] = gf_sp_shared_sum(values, p, k, m, div, fdiv);
+            d[indices[m] - off] = gf_sp_shared_sum(values, p, vs, m, div, fdiv);
     }
 }
 
@@ -932,7 +933,7 @@ static void gf_sp_decompress_table(const float* values, const uint32_t* indices,
     float fdiv = (float) divisor;
     if (p > 0 && k > 0 && gf_sp_tables_ascending(offsets, counts, lo, hi)
             && gf_sp_shared_ascending(indices, p, k)) {
-        gf_sp_decompress_shared(values, indices, p, k, dst, offsets, counts, lo, hi, divisor);
+        gf_sp_decompress_shared(values, k, indices, p, k, dst, offsets, counts, lo, hi, divisor);
         return;
     }
     for (t = lo; t < hi; t++)

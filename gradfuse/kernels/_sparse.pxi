@@ -22,6 +22,9 @@ cdef extern from "_sparse.h" nogil:
     void gf_sp_decompress_table(const float* values, const uint32_t* indices, int64_t p, int64_t k,
                                 const int64_t* dst, const int64_t* offsets, const int64_t* counts,
                                 int64_t lo, int64_t hi, double divisor)
+    void gf_sp_decompress_shared(const float* values, int64_t vs, const uint32_t* indices, int64_t p, int64_t k,
+                                 const int64_t* dst, const int64_t* offsets, const int64_t* counts,
+                                 int64_t lo, int64_t hi, double divisor)
     void gf_sp_decompress_array(const float* values, const uint32_t* indices, int64_t p, int64_t k,
                                 float* out, int64_t n, double divisor)
 
@@ -329,6 +332,45 @@ def sparse_decompress_sum(const float[:, ::1] values, const uint32_t[:, ::1] ind
         p = 0
     with nogil:
         gf_sp_decompress_table(vp, ip, p, k, dp, op, cp, lo, hi, divisor)
+
+
+def sparse_decompress_shared(const float[:, :] values, const uint32_t[::1] indices,
+                             const int64_t[::1] dst_ptrs, const int64_t[::1] offsets,
+                             const int64_t[::1] counts, Py_ssize_t lo, Py_ssize_t hi, double divisor):
+    """``sparse_decompress_sum`` when every row shares the positions ``indices`` (k strictly
+    ascending bucket positions: random-k's draw): the same bits as passing that row p
+    times, without the p copies and their comparison. ``values``: p rows of k float32,
+    each contiguous, the rows at any distance (the rows of the receive buffer as they
+    lie). Every destination element is written: 0.0f / divisor, and at ``indices[m]``
+    ``((0.0f + values[0, m]) + values[1, m]) + ...``, / divisor.
+    """
+    cdef Py_ssize_t n = _sp_table_n("sparse_decompress_shared", dst_ptrs, offsets, counts, lo, hi)
+    cdef Py_ssize_t p = values.shape[0], k = indices.shape[0], m
+    cdef Py_ssize_t bad_m = -1
+    cdef int64_t vs = k
+    if values.shape[1] != k:
+        raise ValueError(f"sparse_decompress_shared: values have {values.shape[1]} columns, indices {k}")
+    if p > 0 and k > 0:
+        if values.strides[1] != sizeof(float) or values.strides[0] % sizeof(float) != 0 or values.strides[0] < 0:
+            raise ValueError("sparse_decompress_shared: each row of values must be contiguous float32")
+        vs = values.strides[0] // sizeof(float)
+    cdef const uint32_t* ip = &indices[0] if k > 0 else NULL
+    with nogil:
+        for m in range(k):
+            if ip[m] >= n or (m > 0 and ip[m] <= ip[m - 1]):
+                bad_m = m
+                break
+    if bad_m >= 0:
+        raise ValueError(f"sparse_decompress_shared: indices[{bad_m}] = {indices[bad_m]} is not strictly "
+                         f"ascending inside a bucket of {n} elements")
+    cdef const float* vp = &values[0, 0] if p > 0 and k > 0 else NULL
+    cdef const int64_t* dp = &dst_ptrs[0] if dst_ptrs.shape[0] > 0 else &_sp_dummy_i64
+    cdef const int64_t* op = &offsets[0] if offsets.shape[0] > 0 else &_sp_dummy_i64
+    cdef const int64_t* cp = &counts[0] if counts.shape[0] > 0 else &_sp_dummy_i64
+    if k == 0:
+        p = 0
+    with nogil:
+        gf_sp_decompress_shared(vp, vs, ip, p, k, dp, op, cp, lo, hi, divisor)
 
 
 def sparse_decompress_sum_array(const float[:, ::1] values, const uint32_t[:, ::1] indices,
