@@ -26,6 +26,8 @@ group alike: the groups depend only on the jobs, which every rank has the same.
 Errors: an error of a compression stops the posting; groups already posted are
 completed (every rank posted them) before it is raised, so nothing moves afterwards.
 """
+import time
+
 import numpy as np
 
 from ..runtime import timeline as _tl
@@ -167,6 +169,15 @@ def _progress(group):
     return group.state == "done"
 
 
+def _wait(req):
+    """Wait for ``req`` by testing it every ``POLL_S`` seconds, sleeping in between: MPI's
+    own wait spins in its progress loop, and with two ranks on two cores the spinning
+    rank takes the core from the rank it waits for (``gradfuse.runtime.overlap``)."""
+    from ..runtime.overlap import POLL_S
+    while not req.Test():
+        time.sleep(POLL_S)
+
+
 def _promote(group, comm):
     """A sparse allreduce's second collective, posted at a point every rank reaches in the
     same order (before the next group's collective, or at the end): waits for its
@@ -174,7 +185,7 @@ def _promote(group, comm):
     Collectives on one communicator match by the order they are posted in, so posting
     it whenever a rank saw the alltoall finish would pair different collectives."""
     if group.state == "alltoall":
-        group.req.Wait()
+        _wait(group.req)
         group.req = None
         if not _guard(group, lambda: [job.serve() for job in group.jobs]):
             return
@@ -188,7 +199,7 @@ def _finish(group, comm):
     """Complete the group (blocking)."""
     _promote(group, comm)
     if group.state == "allgather":
-        group.req.Wait()
+        _wait(group.req)
         _progress(group)
 
 
