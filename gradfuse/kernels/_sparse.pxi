@@ -13,12 +13,6 @@ cdef extern from "_sparse.h" nogil:
     int64_t gf_sp_gather_table(const int64_t* src, const int64_t* offsets, const int64_t* counts,
                                int64_t lo, int64_t hi, const float* e_in, float* e_out,
                                int64_t k, const uint32_t* indices, float* values)
-    int64_t gf_sp_randomk_values(const int64_t* src, const int64_t* offsets, const int64_t* counts,
-                                 int64_t lo, int64_t hi, const float* e_in,
-                                 int64_t k, const uint32_t* indices, float* values)
-    int64_t gf_sp_randomk_residual(const int64_t* src, const int64_t* offsets, const int64_t* counts,
-                                   int64_t lo, int64_t hi, const float* e_in, float* e_out,
-                                   int64_t k, const uint32_t* indices)
     void gf_sp_decompress_table(const float* values, const uint32_t* indices, int64_t p, int64_t k,
                                 const int64_t* dst, const int64_t* offsets, const int64_t* counts,
                                 int64_t lo, int64_t hi, double divisor)
@@ -222,67 +216,6 @@ def randomk_compress_array(const float[::1] x, const float[::1] e_in, float[::1]
     cdef Py_ssize_t rows = 1 if x.shape[0] > 0 else 0
     return randomk_compress(tab[0:1], tab[1:2], tab[2:3], 0, rows, e_in, e_out, seed, tab[3:3 + rows],
                             values, indices)
-
-
-def randomk_values(const int64_t[::1] src_ptrs, const int64_t[::1] offsets, const int64_t[::1] counts,
-                   Py_ssize_t lo, Py_ssize_t hi, const float[::1] e_in, uint64_t seed,
-                   const int64_t[::1] ks, float[::1] values, uint32_t[::1] indices):
-    """The first half of ``randomk_compress``, reading only the drawn positions.
-
-    indices <- randomk_indices(seed, counts[lo:hi], ks); values[m] <- g[indices[m]] +
-    e_in[indices[m]] (g alone when e_in is empty): ``randomk_compress``'s values, bit for
-    bit. Nothing else is written. Returns the number of non-finite values (the drawn
-    positions only; ``randomk_residual`` counts them all).
-    """
-    cdef Py_ssize_t n = _sp_table_n("randomk_values", src_ptrs, offsets, counts, lo, hi)
-    cdef Py_ssize_t k = _sp_check_ks("randomk_values", counts, lo, hi, ks)
-    cdef int64_t rc = 0
-    _sp_check_common("randomk_values", n, e_in.shape[0], e_in.shape[0], k, values.shape[0], indices.shape[0])
-    cdef const int64_t* sp = &src_ptrs[0] if src_ptrs.shape[0] > 0 else &_sp_dummy_i64
-    cdef const int64_t* op = &offsets[0] if offsets.shape[0] > 0 else &_sp_dummy_i64
-    cdef const int64_t* cp = &counts[0] if counts.shape[0] > 0 else &_sp_dummy_i64
-    cdef const int64_t* kp = &ks[0] if ks.shape[0] > 0 else &_sp_dummy_i64
-    cdef const float* ei = _sp_fptr(e_in)
-    cdef float* vp = _sp_wfptr(values)
-    cdef uint32_t* ip = _sp_uptr(indices)
-    with nogil:
-        if k > 0:
-            gf_sp_randomk_draw(seed, cp + lo, kp, hi - lo, ip)
-            rc = gf_sp_randomk_values(sp, op, cp, lo, hi, ei, k, ip, vp)
-    return rc
-
-
-def randomk_residual(const int64_t[::1] src_ptrs, const int64_t[::1] offsets, const int64_t[::1] counts,
-                     Py_ssize_t lo, Py_ssize_t hi, const float[::1] e_in, float[::1] e_out,
-                     const uint32_t[::1] indices):
-    """The second half of ``randomk_compress``: e_out <- g + e_in with e_out[indices] = 0
-    (e_out may be e_in), ``randomk_compress``'s residual bit for bit; without a residual
-    (both empty) nothing is written. ``indices``: strictly ascending bucket positions
-    (``randomk_values``' draw). Returns the number of non-finite g + e over every
-    position (``randomk_compress``'s count).
-    """
-    cdef Py_ssize_t n = _sp_table_n("randomk_residual", src_ptrs, offsets, counts, lo, hi)
-    cdef Py_ssize_t k = indices.shape[0], m
-    cdef int64_t rc = 0
-    cdef Py_ssize_t bad_m = -1
-    _sp_check_common("randomk_residual", n, e_in.shape[0], e_out.shape[0], k, k, k)
-    cdef const uint32_t* ip = &indices[0] if k > 0 else NULL
-    with nogil:
-        for m in range(k):
-            if ip[m] >= n or (m > 0 and ip[m] <= ip[m - 1]):
-                bad_m = m
-                break
-    if bad_m >= 0:
-        raise ValueError(f"randomk_residual: indices[{bad_m}] = {indices[bad_m]} is not strictly ascending "
-                         f"inside a bucket of {n} elements")
-    cdef const int64_t* sp = &src_ptrs[0] if src_ptrs.shape[0] > 0 else &_sp_dummy_i64
-    cdef const int64_t* op = &offsets[0] if offsets.shape[0] > 0 else &_sp_dummy_i64
-    cdef const int64_t* cp = &counts[0] if counts.shape[0] > 0 else &_sp_dummy_i64
-    cdef const float* ei = _sp_fptr(e_in)
-    cdef float* eo = _sp_wfptr(e_out)
-    with nogil:
-        rc = gf_sp_randomk_residual(sp, op, cp, lo, hi, ei, eo, k, ip)
-    return rc
 
 
 cdef int _sp_check_payloads(str name, const float[:, ::1] values, const uint32_t[:, ::1] indices,
