@@ -4,9 +4,10 @@ ms (min of --rounds): what a step's local compute is made of, without MPI.
     python scripts/step_kernels_time.py --rounds 7
 Rows: the finiteness verdicts (``inputs_finite``'s sums, ``halves_cannot_fail``'s
 max |x|, and the former per-tensor numpy loop for comparison), random-k's draw, compress
-(c = g + e, gather, residual in place) and decode (p = 2 rows, averaged; and the same on
-the general path, taken when the rows' positions differ, as the former decode did for
-all), fp16's fused pack + cast, inf/NaN count of the summed payload (C, and the former
+(c = g + e, gather, residual in place) and decode (p = 2 rows, averaged: the rows' shared
+positions repeated per row, and as the step passes them, one row of positions and the
+rows where they lie in the receive buffer; and the same on the general path, taken when
+the rows' positions differ, as the former decode did for all), fp16's fused pack + cast, inf/NaN count of the summed payload (C, and the former
 numpy expression) and unpack + divide; and one float32 copy of the gradients (read +
 write) as the machine's memory reference.
 """
@@ -47,6 +48,8 @@ def main():
 
     _core.randomk_compress(ptrs, off, cnt, 0, rows, e, e, 7, ks, vals, idx)
     v2, i2 = np.ascontiguousarray(np.stack([vals, vals])), np.ascontiguousarray(np.stack([idx, idx]))
+    recv = np.zeros((2, k + 2), np.float32)       # the allgather's receive rows: header, values
+    recv[:, 2:] = vals
     i2g = i2.copy()
     i2g[1, -1] = 0           # rows that differ: the general path (clear, adds, a divide pass over all n)
     cases = {
@@ -56,6 +59,8 @@ def main():
         "randomk: draw": lambda: _core.randomk_indices(7, cnt, ks, idx),
         "randomk: compress": lambda: _core.randomk_compress(ptrs, off, cnt, 0, rows, e, e, 7, ks, vals, idx),
         "randomk: decode p=2 /2": lambda: _core.sparse_decompress_sum(v2, i2, ptrs, off, cnt, 0, rows, 2.0),
+        "randomk: decode p=2 /2, one row of positions (the step's)": lambda: _core.sparse_decompress_shared(
+            recv[:, 2:], idx, ptrs, off, cnt, 0, rows, 2.0),
         "randomk: decode p=2 /2, general path": lambda: _core.sparse_decompress_sum(v2, i2g, ptrs, off, cnt, 0,
                                                                                    rows, 2.0),
         "fp16: pack+cast": lambda: _core.pack_cast(1, buf, ptrs, off, cnt, 0, rows, 1.0),
