@@ -365,3 +365,37 @@ def test_randomk_exchange_groups_are_the_serial_bits(world, monkeypatch, name, o
     for m in made:
         flat = [i for grp in m for i in grp]
         assert len(flat) == len(set(flat))
+
+
+def test_randomk_exchange_groups_timeline(world, monkeypatch):
+    """On the grouped path every random-k bucket still has one compress, one exchange (its
+    group's span) and one decompress span per step, on tracks where spans nest."""
+    from gradfuse.compressors import grouped
+    monkeypatch.setattr(grouped, "LAST_GROUP", 40)
+    monkeypatch.setattr(grouped, "MAX_GROUP", 90)
+    me, p = world.Get_rank(), world.Get_size()
+    where = world.bcast(tempfile.mkdtemp(prefix="gradfuse_groups_tl_") if me == 0 else None, root=0)
+    path = timeline.rank_path(os.path.join(where, "tl.json"), me, p)
+    pipe = gradfuse.Pipeline(compress="randomk", ratio=0.05, fusion_threshold=THRESHOLD, pipeline_buckets=True)
+    sink = timeline.start(path, rank=me)
+    for step in range(2):
+        pipe.allreduce(grads_for(me, step))
+    timeline.stop(sink)
+    trace = load_trace(path)
+    assert_nested(trace)
+    names = track_names(trace)
+    per = {}
+    for e in spans(trace):
+        stage = names[(e["pid"], e["tid"])].split(" ")[0]
+        if stage in ("compress", "exchange", "decompress"):
+            per.setdefault(stage, []).append(e["args"]["bucket"])
+    groups = [e["args"]["group"] for e in spans(trace) if names[(e["pid"], e["tid"])].startswith("exchange")
+              and "group" in e["args"]]
+    assert groups and max(groups) >= 2
+    jobs = sorted(set(per["compress"]))
+    for stage in ("compress", "exchange", "decompress"):
+        assert sorted(per[stage]) == sorted(jobs * 2), (stage, per[stage])
+    os.unlink(path)
+    world.Barrier()
+    if me == 0:
+        os.rmdir(where)
