@@ -1,7 +1,9 @@
-"""The per-step kernels of random-k and fp16 on ResNet-50's gradients, one process, in
-ms (min of --rounds): what a step's local compute is made of, without MPI.
+"""The per-step kernels of random-k and fp16 on ResNet-50's gradients, in ms (min of
+--rounds): what a step's local compute is made of, without communication; one process,
+or with --mpi every rank of an mpiexec at once (the ranks of one host share its memory).
 
     python scripts/step_kernels_time.py --rounds 7
+    mpiexec -n 2 python scripts/step_kernels_time.py --rounds 7 --mpi   # both ranks at once
 Rows: the finiteness verdicts (``inputs_finite``'s sums, ``halves_cannot_fail``'s
 max |x|, and the former per-tensor numpy loop for comparison), random-k's draw, compress
 (c = g + e, gather, residual in place) and decode (p = 2 rows, averaged: the rows' shared
@@ -23,11 +25,19 @@ import numpy as np
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--mpi", action="store_true",
+                    help="under mpiexec: every rank runs each kernel at the same time (a barrier before "
+                         "each round), as the ranks of one host share its memory bus in a step; the slowest "
+                         "rank's time per round")
     a = ap.parse_args()
+    comm = None
+    if a.mpi:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
     from gradfuse import _core
     from gradfuse.bench.sets import resnet50_shapes
     from gradfuse.compressors.topk import ks_for
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(0 if comm is None else comm.rank)
     xs = [rng.standard_normal(s).astype(np.float32).reshape(-1) for s in resnet50_shapes()]
     ptrs = np.array([x.ctypes.data for x in xs], np.int64)
     cnt = np.array([x.size for x in xs], np.int64)
@@ -69,16 +79,20 @@ def main():
         "fp16: unpack /2": lambda: _core.unpack_cast(1, buf, ptrs, off, cnt, 0, rows, 2.0),
         "float32 copy (memory reference)": lambda: np.copyto(copy, e),
     }
-    out = {"n": n, "k": k, "load": os.getloadavg()[0]}
+    out = {"n": n, "k": k, "ranks": 1 if comm is None else comm.size, "load": os.getloadavg()[0]}
     for name, f in cases.items():
         ts = []
         for _ in range(a.rounds):
+            if comm is not None:
+                comm.Barrier()
             t0 = time.perf_counter()
             f()
-            ts.append(time.perf_counter() - t0)
+            t = time.perf_counter() - t0
+            ts.append(t if comm is None else comm.allreduce(t, op=MPI.MAX))
         out[name] = round(1e3 * min(ts), 2)
     out["load_end"] = os.getloadavg()[0]
-    print(json.dumps(out))
+    if comm is None or comm.rank == 0:
+        print(json.dumps(out))
 
 
 if __name__ == "__main__":
