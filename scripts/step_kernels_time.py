@@ -9,9 +9,10 @@ max |x|, and the former per-tensor numpy loop for comparison), random-k's draw, 
 (c = g + e, gather, residual in place) and decode (p = 2 rows, averaged: the rows' shared
 positions repeated per row, and as the step passes them, one row of positions and the
 rows where they lie in the receive buffer; and the same on the general path, taken when
-the rows' positions differ, as the former decode did for all), fp16's fused pack + cast, inf/NaN count of the summed payload (C, and the former
-numpy expression) and unpack + divide; and one float32 copy of the gradients (read +
-write) as the machine's memory reference.
+the rows' positions differ, as the former decode did for all), fp16's fused pack + cast,
+inf/NaN count of the summed payload (C, and the former numpy expression) and unpack +
+divide; and one float32 copy of the gradients (read + write) as the machine's memory
+reference.
 """
 import argparse
 import ctypes

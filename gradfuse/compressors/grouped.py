@@ -28,8 +28,6 @@ completed (every rank posted them) before it is raised, so nothing moves afterwa
 """
 import time
 
-import numpy as np
-
 from ..runtime import timeline as _tl
 
 #: bytes of wire rows (this rank's) in the last group; each group before it may hold
