@@ -2,9 +2,9 @@
 buckets compress (``Pipeline(pipeline_buckets=True)``, host, MPI, 2 ranks or more).
 
 random-k sends about 1 % of a bucket's bytes, so a step's exchange is a few small
-messages, and one collective per bucket costs a latency per bucket: on ResNet-50 (66
-buckets, 1 MB of values in all) 66 polled allgathers between two emulated hosts on
-1 Gbit/s links took 23 ms, one allgather of the same bytes 8.8 ms
+messages, and a polled collective per bucket costs more than its bytes: on ResNet-50 (37
+buckets, 1 MB of values in all) 37 polled allgathers between two emulated hosts on
+1 Gbit/s links took 15.5 ms, one allgather of the same bytes 8.5 ms
 (docs/benchmarks.md, "random-k at 20x"). So the buckets go in *exchange groups*: the
 wire rows of a group's buckets lie side by side in one buffer (each bucket's row is the
 one its own job would send: int64 header, values; ``group_bufs`` are views into the
