@@ -24,7 +24,10 @@ residuals, the non-finite verdict (each bucket's header) and ``bytes_sent`` are 
 one collective per bucket. The collectives differ (fewer, larger), so all ranks must
 group alike: the groups depend only on the jobs, which every rank has the same.
 Errors: an error of a compression stops the posting; groups already posted are
-completed (every rank posted them) before it is raised, so nothing moves afterwards.
+completed (every rank posted them) before it is raised, so nothing moves afterwards. An
+error in a bucket's part of its group's exchange (``serve``, ``received``) ends that
+group only: the other groups still run, because which groups a rank posts must not
+depend on when it noticed the error; the step then raises it.
 """
 import time
 
