@@ -24,7 +24,8 @@ On a GPU the stages run on the backend's stream, after an event on the caller's 
 import numpy as np
 
 from . import dtypes as _dt
-from .compressors import grouped as _grouped, momentum as _momentum
+from . import grouped as _grouped
+from .compressors import momentum as _momentum
 from .compressors.base import BucketContext
 from .compressors.jobs import BucketTask, halves_cannot_fail, inputs_finite, job_class, pays, ring_bytes
 from .errors import NonFiniteError
@@ -217,7 +218,7 @@ class Step:
                 for job in jobs.values():
                     job.state.spare()     # a step that may be refused keeps its residuals: spares
             stream = lambda: halves_cannot_fail(jobs, comm)     # noqa: E731 (fp16/bf16: bucket by bucket)
-            # random-k: exchange groups on this thread (gradfuse.compressors.grouped), then the rest
+            # random-k: exchange groups on this thread (gradfuse.grouped), then the rest
             grouped = [j for j in jobs.values() if _grouped.groupable(j, comm, cfg.overlap)]
             _grouped.run(cfg.overlap, comm, grouped, compress)
             _overlap.run_jobs(cfg.overlap, comm, self.entry.bk.device, [j for j in jobs.values() if j not in grouped],

@@ -198,7 +198,7 @@ class AllgatherJob(BucketJob):
 
     def wire_layout(self):
         """The bytes of this rank's payload row (an exchange group lays the rows of its
-        buckets side by side: ``gradfuse.compressors.grouped``)."""
+        buckets side by side: ``gradfuse.grouped``)."""
         return Wire(self.comp.bucket_layout(self.ctx))
 
     def compress(self):

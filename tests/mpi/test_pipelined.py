@@ -239,7 +239,7 @@ def test_an_error_in_one_bucket_reaches_every_rank(world, monkeypatch, name, opt
     a, b = pair(name, opts)
     a.allreduce(grads_for(rank, 0))
     b.allreduce(grads_for(rank, 0))
-    # random-k's buckets go in exchange groups (gradfuse.compressors.grouped), whose
+    # random-k's buckets go in exchange groups (gradfuse.grouped), whose
     # collectives are the group's: the bucket's own part of its exchange is serve(), the
     # sum of this rank's chunks between the alltoall and the allgather (these buckets'
     # rows are a few hundred bytes: one group)
@@ -322,10 +322,10 @@ def test_serial_below_thread_multiple(world, monkeypatch):
 ])
 def test_randomk_exchange_groups_are_the_serial_bits(world, monkeypatch, name, opts, caps):
     """random-k's buckets exchange in groups on the communication thread
-    (gradfuse.compressors.grouped); with groups of a few buckets each (the caps made small
+    (gradfuse.grouped); with groups of a few buckets each (the caps made small
     here), the results, residuals and counters are the serial step's (one collective per
     bucket), on every rank, and a non-finite step is refused or skipped alike."""
-    from gradfuse.compressors import grouped
+    from gradfuse import grouped
     monkeypatch.setattr(grouped, "LAST_GROUP", caps[0])
     monkeypatch.setattr(grouped, "MAX_GROUP", caps[1])
     made = []
@@ -370,7 +370,7 @@ def test_randomk_exchange_groups_are_the_serial_bits(world, monkeypatch, name, o
 def test_randomk_exchange_groups_timeline(world, monkeypatch):
     """On the grouped path every random-k bucket still has one compress, one exchange (its
     group's span) and one decompress span per step, on tracks where spans nest."""
-    from gradfuse.compressors import grouped
+    from gradfuse import grouped
     monkeypatch.setattr(grouped, "LAST_GROUP", 40)
     monkeypatch.setattr(grouped, "MAX_GROUP", 90)
     me, p = world.Get_rank(), world.Get_size()

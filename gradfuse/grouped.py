@@ -31,7 +31,7 @@ depend on when it noticed the error; the step then raises it.
 """
 import time
 
-from ..runtime import timeline as _tl
+from .runtime import timeline as _tl
 
 #: bytes of wire rows (this rank's) in the last group; each group before it may hold
 #: twice its successor's, up to MAX_GROUP
@@ -128,7 +128,7 @@ def plan(jobs, comm):
 
 
 def _byte():
-    from ..comm.mpi import mpi
+    from .comm.mpi import mpi
     return mpi().BYTE
 
 
@@ -174,7 +174,7 @@ def _wait(req):
     """Wait for ``req`` by testing it every ``POLL_S`` seconds, sleeping in between: MPI's
     own wait spins in its progress loop, and with two ranks on two cores the spinning
     rank takes the core from the rank it waits for (``gradfuse.runtime.overlap``)."""
-    from ..runtime.overlap import POLL_S
+    from .runtime.overlap import POLL_S
     while not req.Test():
         time.sleep(POLL_S)
 
@@ -215,11 +215,12 @@ def _record(groups):
     for g in groups:
         if g.t_post is None or g.t_done is None:
             continue
-        t0 = min(g.t_post if prev is None else max(g.t_post, prev), g.t_done)
+        t1 = g.t_done if prev is None else max(g.t_done, prev)     # seen done before the one before it: 0 long
+        t0 = min(g.t_post if prev is None else max(g.t_post, prev), t1)
         for job in g.jobs:
-            rec("exchange", "allreduce", getattr(job, "names", ()), t0, g.t_done, bucket=job.bucket.index,
+            rec("exchange", "allreduce", getattr(job, "names", ()), t0, t1, bucket=job.bucket.index,
                 bytes=job.bucket.nbytes, algorithm=job.algorithm, group=len(g.jobs))
-        prev = g.t_done
+        prev = t1
 
 
 def run(ov, comm, jobs, compress):
