@@ -1,52 +1,82 @@
-"""random-k's buckets exchanged in groups, on the communication thread, while the next
-buckets compress (``Pipeline(pipeline_buckets=True)``, host, MPI, 2 ranks or more).
+"""Exchange groups: a pipelined step's allgather and sparse-allreduce buckets exchanged by
+non-blocking collectives that the communication thread posts while it compresses the
+next buckets; and ``run_jobs``, where a step's compressed buckets go.
 
-random-k sends about 1 % of a bucket's bytes, so a step's exchange is a few small
-messages, and a polled collective per bucket costs more than its bytes: on ResNet-50 (37
-buckets, 1 MB of values in all) 37 polled allgathers between two emulated hosts on
-1 Gbit/s links took 15.5 ms, one allgather of the same bytes 8.5 ms
+This is the one place that posts compressed exchanges from the communication thread.
+``run_jobs`` sends a pipelined step's (``Pipeline(pipeline_buckets=True)``, host, MPI, 2
+ranks or more, ``MPI_THREAD_MULTIPLE``: ``runtime.overlap.enabled``) buckets that go by
+allgather (top-k, random-k, 1-bit and 2-bit on the allgather) or by random-k's sparse
+allreduce here, when there are at least two of them; the others (two-phase 1-bit/2-bit,
+fp16/bf16) to ``runtime.overlap.run_jobs``: the exchange thread, the 16-bit step between
+2 hosts, or serially.
+
+A collective per bucket costs more than its bytes when the bytes are few: on ResNet-50
+(37 buckets, random-k's 1 MB of values in all) 37 polled allgathers between two emulated
+hosts on 1 Gbit/s links took 15.5 ms, one allgather of the same bytes 8.5 ms
 (docs/benchmarks.md, "random-k at 20x"). So the buckets go in *exchange groups*: the
 wire rows of a group's buckets lie side by side in one buffer (each bucket's row is the
-one its own job would send: int64 header, values; ``group_bufs`` are views into the
+one its own job would send: int64 header, payload; ``group_bufs`` are views into the
 group's buffers, so nothing is copied), and one non-blocking collective moves the group
 (``MPI_Iallgather``; for the sparse allreduce ``MPI_Ialltoall``, the sums of this rank's
 chunks, then ``MPI_Iallgather``). The communication thread posts a group as soon as its
-last bucket is compressed and tests the outstanding requests between two compressions
+last bucket is compressed and tests the requests in flight between two compressions
 (MPICH progresses a non-blocking collective only inside MPI calls; a compression of
 ResNet-50's largest bucket takes about 1 ms, and the sockets' buffers hold more than the
-link moves meanwhile), so no second thread competes for the cores. Groups are cut from
-the last bucket backwards, ``LAST_GROUP`` bytes of rows, then twice that, up to
-``MAX_GROUP``: the exchange left after the last compression is a small one.
+link moves meanwhile), so no second thread competes for the cores (the exchange thread's
+polling cost top-k about 13 ms of CPU a step per rank on 2 ranks per 2 cores,
+docs/benchmarks.md, "Pipelined buckets"). Groups are cut from the last bucket backwards,
+``LAST_GROUP`` bytes of rows, then twice that, up to ``MAX_GROUP``: the exchange left
+after the last compression is a small one.
 
 Same bytes, same bits: every bucket's row is its job's, the allgather's rows arrive in
 rank order, and a server adds the same chunks in the same order, so the results, the
 residuals, the non-finite verdict (each bucket's header) and ``bytes_sent`` are those of
 one collective per bucket. The collectives differ (fewer, larger), so all ranks must
-group alike: the groups depend only on the jobs, which every rank has the same.
-Errors: an error of a compression stops the posting; groups already posted are
-completed (every rank posted them) before it is raised, so nothing moves afterwards. An
-error in a bucket's part of its group's exchange (``serve``, ``received``) ends that
-group only: the other groups still run, because which groups a rank posts must not
-depend on when it noticed the error; the step then raises it.
+group alike: the groups depend only on the jobs, which every rank has the same, and
+what a rank posts, and when, depends only on them too (never on how far a request got:
+collectives on one communicator match by the order they are posted in).
+Errors: an error of a compression stops the posting (as serially); the groups already
+posted are completed (every rank posted them) before it is raised, so nothing moves
+afterwards. A failed collective, or an error in a bucket's part of its group's exchange
+(``serve``, ``received``), does not stop the posting: every later group is still
+compressed, posted and completed on this rank as on the others (a failed sparse
+allreduce's allgather too), the bookkeeping of the buckets after it is skipped, and the
+step raises the first error once nothing is in flight.
 """
 import time
 
-from .runtime import timeline as _tl
+from .runtime import overlap as _overlap, timeline as _tl
 
 #: bytes of wire rows (this rank's) in the last group; each group before it may hold
-#: twice its successor's, up to MAX_GROUP
+#: twice its successor's, up to MAX_GROUP (docs/benchmarks.md, "Pipelined buckets":
+#: measured against groups of one bucket)
 LAST_GROUP = 16 * 1024
 MAX_GROUP = 256 * 1024
 ALGORITHMS = ("allgather", "sparse_allreduce")
 
 
-def groupable(job, comm, ov):
-    """Whether ``job`` runs in an exchange group: pipelined buckets (``ov``), a host
-    random-k bucket with the allgather or the sparse allreduce, on an MPI communicator
-    of at least 2 ranks."""
-    return (ov is not None and job.algorithm in ALGORITHMS and job.comp.name == "randomk"
-            and job.bk.device == "cpu" and comm.size >= 2 and getattr(comm, "kind", None) == "mpi"
-            and hasattr(comm, "data"))
+def groupable(job, comm):
+    """Whether ``job`` can run in an exchange group: an allgather or sparse-allreduce bucket
+    on the host, on a communicator with an mpi4py data communicator (``comm.data``)."""
+    return job.algorithm in ALGORITHMS and job.bk.device == "cpu" and hasattr(comm, "data")
+
+
+def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
+    """Compress and exchange the step's compressed ``jobs`` (a list, in bucket order; the
+    stages are the step's). Pipelined (``ov``, the pipeline's ``Overlap``, where
+    ``runtime.overlap.enabled``), the ``groupable`` jobs run in exchange groups (``run``)
+    when there are at least two of them; the others then go to ``runtime.overlap.run_jobs``
+    (``stream`` and ``decode``: the 16-bit buckets decoded as they arrive)."""
+    grouped = []
+    if ov is not None and _overlap.enabled(comm, device):
+        grouped = [j for j in jobs if groupable(j, comm)]
+    if len(grouped) < 2:
+        return _overlap.run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode)
+    run(ov, comm, grouped, compress)
+    ids = {id(j) for j in grouped}
+    rest = [j for j in jobs if id(j) not in ids]
+    if rest:
+        _overlap.run_jobs(ov, comm, device, rest, stream, compress, exchange, decode)
 
 
 def cut(sizes, last=None, most=None):
@@ -69,15 +99,15 @@ class _Group:
     """One group: its jobs, its buffers (allgather: ``send`` ``[W]``, this rank's rows,
     and ``recv`` ``[p, W]``; sparse allreduce: ``[p, W]`` out and in for the alltoall,
     then ``ssend`` ``[W]`` and ``srecv`` ``[p, W]`` for the allgather of the sums), its
-    request and state, and when it was posted and seen done."""
+    request and state (new, alltoall, served, allgather, done), and when it was posted and
+    seen done."""
 
-    __slots__ = ("jobs", "sparse", "bufs", "req", "state", "t_post", "t_done", "error")
+    __slots__ = ("jobs", "sparse", "bufs", "req", "state", "t_post", "t_done")
 
     def __init__(self, jobs, bufs):
         self.jobs, self.bufs = jobs, bufs
         self.sparse = jobs[0].algorithm == "sparse_allreduce"
         self.req, self.state, self.t_post, self.t_done = None, "new", None, None
-        self.error = None         # the first error of its jobs' part of the exchange (serve, received)
 
 
 def _allocate(bk, sparse, p, width):
@@ -96,8 +126,8 @@ def _allocate(bk, sparse, p, width):
 def plan(jobs, comm):
     """The step's exchange groups, in the order they are posted (by their last bucket), each
     job given its views into its group's buffers (``group_bufs``). The buffers are kept in
-    the plan's scratch for the next steps while the layout stays (sparsity warm-up's next
-    stage changes it)."""
+    the plan's scratch for the next steps while the layout stays (top-k's and random-k's
+    sparsity warm-up changes it at each stage)."""
     p = comm.size
     sizes = {id(job): job.wire_layout().nbytes for job in jobs}
     order = {id(job): i for i, job in enumerate(jobs)}
@@ -132,76 +162,96 @@ def _byte():
     return mpi().BYTE
 
 
-def _post(group, comm):
-    """Post the group's (first) collective: the allgather, or the sparse allreduce's alltoall."""
-    b = _byte()
-    if group.sparse:
-        group.req, group.state = comm.data.Ialltoall([group.bufs[0], b], [group.bufs[1], b]), "alltoall"
-    else:
-        group.req, group.state = comm.data.Iallgather([group.bufs[0], b], [group.bufs[1], b]), "allgather"
-    group.t_post = _tl.clock()
+class _Posted:
+    """One step's groups in flight, in the order they were posted, and the first error of
+    their exchange (a failed collective, or a job's ``serve`` or ``received``)."""
 
+    def __init__(self, comm):
+        self.comm, self.groups, self.error = comm, [], None
 
-def _guard(group, fn):
-    """Run a job's part of the exchange; an error is kept in ``group.error`` and ends the
-    group (the other groups still run on every rank, so every rank posts the same
-    collectives)."""
-    try:
-        fn()
-    except Exception as exc:
-        group.error = exc
-        group.req, group.state = None, "done"
-        return False
-    return True
+    def _part(self, group, name):
+        """The jobs' ``name`` part of the group's exchange; skipped once the step has an
+        error (the collectives still run)."""
+        if self.error is None:
+            try:
+                for job in group.jobs:
+                    getattr(job, name)()
+            except BaseException as exc:
+                self.error = exc
 
+    def _test(self, group):
+        """Whether the group's request completed (a failed one did: it is over)."""
+        try:
+            return group.req.Test()
+        except BaseException as exc:
+            if self.error is None:
+                self.error = exc
+            return True
 
-def _progress(group):
-    """Test the group's request, without posting anything (what a rank posts and when
-    must not depend on how far its requests got); a finished alltoall is summed
-    (``serve``), a finished allgather received. Returns whether the group is done."""
-    if group.state in ("alltoall", "allgather") and group.req.Test():
+    def _wait(self, group):
+        """Wait for the group's request by testing it every ``POLL_S`` seconds, sleeping in
+        between: MPI's own wait spins in its progress loop, and with two ranks on two cores
+        the spinning rank takes the core from the rank it waits for."""
+        while not self._test(group):
+            time.sleep(_overlap.POLL_S)
+
+    def _ended(self, group):
+        """The group's request completed: an alltoall's chunks are summed (``serve``), an
+        allgather's rows received."""
         group.req = None
         if group.state == "alltoall":
-            if _guard(group, lambda: [job.serve() for job in group.jobs]):
-                group.state = "served"
+            self._part(group, "serve")
+            group.state = "served"
         else:
             group.state, group.t_done = "done", _tl.clock()
-            _guard(group, lambda: [job.received() for job in group.jobs])
-    return group.state == "done"
+            self._part(group, "received")
 
+    def post(self, group):
+        """Post the group's (first) collective, after every earlier sparse allreduce's
+        second one (``_promote``)."""
+        for g in self.groups:
+            self._promote(g)
+        b, data = _byte(), self.comm.data
+        if group.sparse:
+            group.req = data.Ialltoall([group.bufs[0], b], [group.bufs[1], b])
+            group.state = "alltoall"
+        else:
+            group.req = data.Iallgather([group.bufs[0], b], [group.bufs[1], b])
+            group.state = "allgather"
+        group.t_post = _tl.clock()
+        self.groups.append(group)
 
-def _wait(req):
-    """Wait for ``req`` by testing it every ``POLL_S`` seconds, sleeping in between: MPI's
-    own wait spins in its progress loop, and with two ranks on two cores the spinning
-    rank takes the core from the rank it waits for (``gradfuse.runtime.overlap``)."""
-    from .runtime.overlap import POLL_S
-    while not req.Test():
-        time.sleep(POLL_S)
+    def _promote(self, group):
+        """A sparse allreduce's second collective, posted at a point every rank reaches in
+        the same order (before the next group's collective, or at the end): waits for its
+        alltoall if it is still running, sums, and posts the allgather of the sums.
+        Posting it whenever a rank saw the alltoall finish would pair different
+        collectives on the ranks."""
+        if group.state == "alltoall":
+            self._wait(group)
+            self._ended(group)
+        if group.state == "served":
+            b = _byte()
+            group.req = self.comm.data.Iallgather([group.bufs[2], b], [group.bufs[3], b])
+            group.state = "allgather"
 
+    def progress(self):
+        """Test the requests in flight, oldest first, up to the first that is still
+        running (each test progresses them all); posts nothing: what a rank posts and when
+        must not depend on how far its requests got."""
+        for g in self.groups:
+            if g.state in ("alltoall", "allgather") and self._test(g):
+                self._ended(g)
+            if g.state != "done":
+                return
 
-def _promote(group, comm):
-    """A sparse allreduce's second collective, posted at a point every rank reaches in the
-    same order (before the next group's collective, or at the end): waits for its
-    alltoall if it is still running, sums, and posts the allgather of the sums.
-    Collectives on one communicator match by the order they are posted in, so posting
-    it whenever a rank saw the alltoall finish would pair different collectives."""
-    if group.state == "alltoall":
-        _wait(group.req)
-        group.req = None
-        if not _guard(group, lambda: [job.serve() for job in group.jobs]):
-            return
-        group.state = "served"
-    if group.state == "served":
-        group.req, group.state = comm.data.Iallgather([group.bufs[2], _byte()], [group.bufs[3], _byte()]), \
-            "allgather"
-
-
-def _finish(group, comm):
-    """Complete the group (blocking)."""
-    _promote(group, comm)
-    if group.state == "allgather":
-        _wait(group.req)
-        _progress(group)
+    def finish(self):
+        """Complete every group posted, in order."""
+        for g in self.groups:
+            self._promote(g)
+            if g.state == "allgather":
+                self._wait(g)
+                self._ended(g)
 
 
 def _record(groups):
@@ -215,7 +265,7 @@ def _record(groups):
     for g in groups:
         if g.t_post is None or g.t_done is None:
             continue
-        t1 = g.t_done if prev is None else max(g.t_done, prev)     # seen done before the one before it: 0 long
+        t1 = g.t_done if prev is None else max(g.t_done, prev)
         t0 = min(g.t_post if prev is None else max(g.t_post, prev), t1)
         for job in g.jobs:
             rec("exchange", "allreduce", getattr(job, "names", ()), t0, t1, bucket=job.bucket.index,
@@ -224,39 +274,31 @@ def _record(groups):
 
 
 def run(ov, comm, jobs, compress):
-    """Compress and exchange the groupable ``jobs`` (in bucket order) in exchange groups;
-    returns once every group's exchange is complete (each job's ``received`` has run).
-    ``compress(job)``: the step's compress stage. ``ov``: the pipeline's ``Overlap``, whose
-    ``runs`` counts the step as pipelined."""
+    """Compress and exchange the ``groupable`` ``jobs`` (in bucket order) in exchange
+    groups; returns once every group's exchange is complete (each job's ``received`` has
+    run). ``compress(job)``: the step's compress stage. ``ov``: the pipeline's
+    ``Overlap``, whose ``runs`` counts the pipelined hand-overs."""
     if not jobs:
         return
     groups = plan(jobs, comm)
-    last = {id(g.jobs[-1]): [] for g in groups}
+    last = {}
     for g in groups:
-        last[id(g.jobs[-1])].append(g)
-    posted, error = [], None
+        last.setdefault(id(g.jobs[-1]), []).append(g)
+    posted, error = _Posted(comm), None
+    ov.runs += 1
     try:
         for job in jobs:
             compress(job)
             for g in last.get(id(job), ()):
-                for q in posted:            # the second phases before the next collective, in order
-                    _promote(q, comm)
-                _post(g, comm)
-                posted.append(g)
-            for g in posted:                # progress on what is in flight (each test progresses them all)
-                _progress(g)
-        for g in posted:
-            _finish(g, comm)
-    except BaseException as exc:            # a compression (or MPI itself) failed
+                posted.post(g)
+            posted.progress()
+    except BaseException as exc:            # a compression (or a post) failed: no more posting
         error = exc
-        for g in posted:                    # every rank posted these: complete them first
-            try:
-                _finish(g, comm)
-            except BaseException:
-                pass
+    try:
+        posted.finish()                     # every rank posted these: complete them first
+    except BaseException as exc:
+        error = error or exc
     _record(groups)
-    ov.runs += 1
-    if error is None:
-        error = next((g.error for g in posted if g.error is not None), None)
+    error = error or posted.error
     if error is not None:
         raise error

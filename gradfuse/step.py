@@ -9,7 +9,9 @@ bucket (or of the step), so that later work can reorder and pipeline them:
 2. Compressed buckets (float32, a lossy compressor, past warm-up), one job each
    (``gradfuse.compressors.jobs``): ``compress(job)`` (residual add, compress, new
    residual, one fused kernel) and ``exchange(job)`` (the job's collective); pipelined, the
-   exchange of one bucket overlaps the next one's compression (``gradfuse.runtime.overlap``).
+   exchange of one bucket overlaps the next one's compression (``gradfuse.grouped``: the
+   allgather and sparse-allreduce buckets in exchange groups posted from this thread, the
+   others on ``gradfuse.runtime.overlap``'s exchange thread).
 3. ``check_finite(step, jobs)``: every rank has the same non-finite verdict here; a bad
    step raises ``NonFiniteError`` on every rank before anything is written.
 4. Plain buckets: ``pack(step, b)``, ``reduce(step, comm, b)`` (the MPI library's or
@@ -33,7 +35,7 @@ from .fusion.staging import F16, staging
 from .fusion.deferred import view_at
 from .fusion.tables import as_ndarray
 from .plain import bucket_names, reduce, reduce_bucket, reduce_rows, rows_buckets, uncompressed, unpack
-from .runtime import overlap as _overlap, timeline as _tl
+from .runtime import timeline as _tl
 from .runtime.control import Request
 
 _F32 = _dt.CODE[np.dtype(np.float32)]
@@ -218,11 +220,10 @@ class Step:
                 for job in jobs.values():
                     job.state.spare()     # a step that may be refused keeps its residuals: spares
             stream = lambda: halves_cannot_fail(jobs, comm)     # noqa: E731 (fp16/bf16: bucket by bucket)
-            # random-k: exchange groups on this thread (gradfuse.grouped), then the rest
-            grouped = [j for j in jobs.values() if _grouped.groupable(j, comm, cfg.overlap)]
-            _grouped.run(cfg.overlap, comm, grouped, compress)
-            _overlap.run_jobs(cfg.overlap, comm, self.entry.bk.device, [j for j in jobs.values() if j not in grouped],
-                              stream, compress, exchange, decode)     # pipelined: gradfuse.runtime.overlap
+            # pipelined: exchange groups on this thread (gradfuse.grouped), the rest on the
+            # exchange thread (gradfuse.runtime.overlap)
+            _grouped.run_jobs(cfg.overlap, comm, self.entry.bk.device, list(jobs.values()), stream,
+                              compress, exchange, decode)
             if jobs:
                 cfg.state.claim_done(self.entry.state_key)
             if not check_finite(self, jobs):

@@ -11,8 +11,11 @@ C B A round by round in the same run; the compute time: the same step alone on o
 (``COMM_SELF``: no network, one payload to decode) and, for reference, the kernels alone
 (the communication thread's pack, compress, decompress and unpack spans of gradfuse's
 timeline in serial steps of their own); with ``--thread``, also pipelined with a step's
-allgathers run one at a time on the exchange thread (the design before they were posted
-from the communication thread, ``runtime.overlap._run_posted``); with ``--whole``, also pipelined with every 16-bit
+allgather and sparse-allreduce buckets run one at a time on the exchange thread (the design
+before they were posted from the communication thread in exchange groups,
+``gradfuse.grouped``); with ``--per-bucket``, also pipelined with exchange groups of one
+bucket each (one collective per bucket, posted from the communication thread, as the posted
+allgathers of commit 93dbc81 did before the groups took them); with ``--whole``, also pipelined with every 16-bit
 bucket moved whole between 2 hosts (parts as large as the largest bucket: the design
 before ``AllreduceJob.PART_WORDS`` bounded them, ``runtime.overlap._run16``); the bytes that left and entered this host's
 ``eth0`` per step (``/sys/class/net/eth0/statistics``; the tbf queues shape both), so
@@ -41,14 +44,16 @@ def _net(name):
         return 0
 
 
-def worker(out, methods, rounds, threshold, blocking=False, whole=False, thread=False):
+def worker(out, methods, rounds, threshold, blocking=False, whole=False, thread=False, per_bucket=False):
     from mpi4py import MPI
 
     import gradfuse
     from gradfuse.bench.sets import make_set, resnet50_shapes
+    from gradfuse import grouped
     from gradfuse.runtime import overlap, timeline
     from gradfuse.compressors.exchange import AllreduceJob
     polling, part_words = overlap.PollingComm, AllreduceJob.PART_WORDS
+    groupable, caps = grouped.groupable, (grouped.LAST_GROUP, grouped.MAX_GROUP)
 
     gradfuse.init()
     world = MPI.COMM_WORLD
@@ -75,22 +80,25 @@ def worker(out, methods, rounds, threshold, blocking=False, whole=False, thread=
         cpu = []
         for flag in (False, True, False, True):
             step(flag)                                   # warm-up: plans, buffers
-        times = {False: [], True: [], "blocking": [], "whole": [], "thread": []}
+        times = {False: [], True: [], "blocking": [], "whole": [], "thread": [], "per-bucket": []}
         cpus = {k: [] for k in times}
         wire = []
         variants = ([False, True] + (["blocking"] if blocking else []) + (["whole"] if whole else [])
-                    + (["thread"] if thread else []))
+                    + (["thread"] if thread else []) + (["per-bucket"] if per_bucket else []))
         for r in range(rounds):
             for v in (variants if r % 2 == 0 else variants[::-1]):
                 if v == "blocking":        # the design measured against: blocking waits on the thread
                     overlap.PollingComm = lambda comm: comm
                 if v == "whole":           # 16-bit buckets moved whole, not in parts of the threshold
                     AllreduceJob.PART_WORDS = 1 << 62
-                if v == "thread":          # allgathers on the exchange thread, not posted
-                    overlap.POSTED = False
+                if v == "thread":          # allgathers on the exchange thread, not in groups
+                    grouped.groupable = lambda job, comm: False
+                if v == "per-bucket":      # exchange groups of one bucket: a collective per bucket
+                    grouped.LAST_GROUP = grouped.MAX_GROUP = 1
                 cpu = cpus[v]
                 t, tx, rx = step(v is not False)
-                overlap.PollingComm, AllreduceJob.PART_WORDS, overlap.POSTED = polling, part_words, True
+                overlap.PollingComm, AllreduceJob.PART_WORDS = polling, part_words
+                grouped.groupable, (grouped.LAST_GROUP, grouped.MAX_GROUP) = groupable, caps
                 times[v].append(t)
                 wire.append(max(tx, rx))
         cpu = []               # the steps below are not the variants'
@@ -130,6 +138,8 @@ def worker(out, methods, rounds, threshold, blocking=False, whole=False, thread=
                            "whole_all": times["whole"],
                            "thread": statistics.median(times["thread"]) if times["thread"] else None,
                            "thread_all": times["thread"],
+                           "per_bucket": statistics.median(times["per-bucket"]) if times["per-bucket"] else None,
+                           "per_bucket_all": times["per-bucket"],
                            "cpu": {str(k): statistics.median(v) for k, v in cpus.items() if v},
                            "serial_all": times[False], "pipelined_all": times[True],
                            "wire_bytes": statistics.median(wire), "compute": compute,
@@ -141,7 +151,8 @@ def worker(out, methods, rounds, threshold, blocking=False, whole=False, thread=
             sys.stderr.write(f"  {method}: serial {r['serial'] * 1e3:.1f} ms, pipelined {r['pipelined'] * 1e3:.1f} ms, "
                              + (f"blocking waits {r['blocking'] * 1e3:.1f} ms, " if blocking else "")
                              + (f"16-bit buckets whole {r['whole'] * 1e3:.1f} ms, " if whole else "")
-                             + (f"allgathers on the exchange thread {r['thread'] * 1e3:.1f} ms, " if thread else "") +
+                             + (f"allgathers on the exchange thread {r['thread'] * 1e3:.1f} ms, " if thread else "")
+                             + (f"groups of one bucket {r['per_bucket'] * 1e3:.1f} ms, " if per_bucket else "") +
                              f"compute {compute * 1e3:.1f} ms, alone {r['solo'] * 1e3:.1f} ms, "
                              f"wire {r['wire_bytes'] / 1e6:.2f} MB/step; serial stages (ms): "
                              + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in sorted(per_stage.items())) + "\n")
@@ -166,13 +177,17 @@ def main(argv=None):
     ap.add_argument("--blocking", action="store_true",
                     help="also time the pipelined step with blocking waits on the exchange thread")
     ap.add_argument("--thread", action="store_true",
-                    help="also time the pipelined step with a step's allgathers on the exchange thread, not posted")
+                    help="also time the pipelined step with a step's allgather and sparse-allreduce buckets on the "
+                         "exchange thread, not in exchange groups")
+    ap.add_argument("--per-bucket", action="store_true",
+                    help="also time the pipelined step with exchange groups of one bucket (a collective per bucket)")
     ap.add_argument("--whole", action="store_true",
                     help="also time the pipelined step with 16-bit buckets moved whole between 2 hosts")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        return worker(a.worker, a.methods.split(","), a.rounds, a.fusion_threshold, a.blocking, a.whole, a.thread)
+        return worker(a.worker, a.methods.split(","), a.rounds, a.fusion_threshold, a.blocking, a.whole, a.thread,
+                      a.per_bucket)
     mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory(prefix="gf-pipe-") as tmp:
@@ -187,6 +202,8 @@ def main(argv=None):
             argv_w.append("--whole")
         if a.thread:
             argv_w.append("--thread")
+        if a.per_bucket:
+            argv_w.append("--per-bucket")
         load0 = os.getloadavg()
         if a.place == "local":
             rc = subprocess.run([mpiexec, "-n", str(a.hosts)] + argv_w, env=env).returncode
@@ -210,10 +227,11 @@ def main(argv=None):
         print("# tc bytes this run (sent by host, received by host): "
               + ", ".join(f"{h}: {s / 1e6:.1f} / {r / 1e6:.1f} MB" for h, (s, r) in tc.items()))
     blk = ((" pipelined, blocking waits |" if a.blocking else "") + (" pipelined, 16-bit whole |" if a.whole else "")
-           + (" pipelined, allgathers on the thread |" if a.thread else ""))
+           + (" pipelined, allgathers on the thread |" if a.thread else "")
+           + (" pipelined, groups of one bucket |" if a.per_bucket else ""))
     print("| compressor | buckets | kernels | compute (1 rank) | wire MB/step | wire time | bound | serial |" + blk +
           " pipelined | pipelined / bound | serial / pipelined |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (a.blocking + a.whole + a.thread) + "---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|" + "---:|" * (a.blocking + a.whole + a.thread + a.per_bucket) + "---:|---:|---:|")
     rows = {}
     for m in a.methods.split(","):
         per = [r[m] for r in res["ranks"]]
@@ -232,13 +250,15 @@ def main(argv=None):
         bcol += f" {rows[m]['whole'] * 1e3:.1f} ms |" if a.whole else ""
         rows[m]["thread"] = max(r["thread"] for r in per) if a.thread else None
         bcol += f" {rows[m]['thread'] * 1e3:.1f} ms |" if a.thread else ""
+        rows[m]["per_bucket"] = max(r["per_bucket"] for r in per) if a.per_bucket else None
+        bcol += f" {rows[m]['per_bucket'] * 1e3:.1f} ms |" if a.per_bucket else ""
         print(f"| {m} | {per[0]['buckets']} | {kernels * 1e3:.1f} ms | {compute * 1e3:.1f} ms | {wb / 1e6:.2f} | "
               f"{wire * 1e3:.1f} ms | "
               f"{bound * 1e3:.1f} ms | {serial * 1e3:.1f} ms |{bcol} {piped * 1e3:.1f} ms | {piped / bound:.2f} | "
               f"{serial / piped:.2f} |")
     print("\nCPU per step (median, the busier rank, every thread of the process):")
     names = {"False": "serial", "True": "pipelined", "blocking": "blocking waits", "whole": "16-bit whole",
-             "thread": "allgathers on the thread"}
+             "thread": "allgathers on the thread", "per-bucket": "groups of one bucket"}
     for m in a.methods.split(","):
         per = [r[m]["cpu"] for r in res["ranks"]]
         print(f"  {m}: " + ", ".join(f"{names[k]} {max(c[k] for c in per) * 1e3:.1f} ms" for k in per[0]))

@@ -194,7 +194,6 @@ class AllgatherJob(BucketJob):
     """Every rank sends its payload to every rank; every rank decodes and sums all of them."""
 
     algorithm = "allgather"
-    posted = False       # runtime.overlap._run_posted: the allgather was posted and has completed
 
     def wire_layout(self):
         """The bytes of this rank's payload row (an exchange group lays the rows of its
@@ -220,11 +219,9 @@ class AllgatherJob(BucketJob):
         self.wire, self.send, self.recv = wire, send, recv
 
     def exchange(self):
-        """The allgather, then the bookkeeping (``received``); only the bookkeeping where the
-        allgather was posted and has completed (``posted``: ``runtime.overlap._run_posted``)."""
-        if not self.posted:
-            self.comm.allgather(self.send, self.recv)
-        self.posted = False
+        """The allgather, then the bookkeeping (``received``; in an exchange group,
+        ``gradfuse.grouped`` runs only that, once the group's allgather completed)."""
+        self.comm.allgather(self.send, self.recv)
         self.received()
 
     def received(self):

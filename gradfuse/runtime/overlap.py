@@ -2,13 +2,13 @@
 
 ``Pipeline(pipeline_buckets=True)`` (the default, ``GRADFUSE_PIPELINE_BUCKETS``) gives the
 pipeline a second thread, its *exchange thread*. In a step, the communication thread
-compresses the compressed buckets one after the other and hands each to the exchange
-thread, which runs the bucket's collective while the communication thread compresses the
-next bucket. The step goes on (plain buckets, the non-finite verdict, the decodes) only
-once the exchange thread has run every bucket it was given, so the communicator is used
-by one thread at a time, and the collectives run in bucket order on every rank: the same
-collectives on the same bytes, in the same order as without the thread, so the results
-are bit-identical.
+compresses the buckets given to ``run_jobs`` one after the other and hands each to the
+exchange thread, which runs the bucket's collective while the communication thread
+compresses the next bucket. The step goes on (plain buckets, the non-finite verdict, the
+decodes) only once the exchange thread has run every bucket it was given, so the
+communicator is used by one thread at a time, and the collectives run in the buckets'
+order on every rank: the same collectives on the same bytes, in the same order as without
+the thread, so the results are bit-identical.
 
 Why a thread: MPICH makes progress on a non-blocking collective only inside MPI calls, so
 one posted before a compression kernel would mostly wait until the kernel returned. On
@@ -28,10 +28,11 @@ MPI's call), at most ``AllreduceJob.PART_WORDS`` at a time, and a step of fp16/b
 buckets alone runs pipelined (``_run16``): the communication thread casts part i+1 (a
 bucket, or a piece of a larger one) while part i crosses, then adds and decodes it.
 
-A step whose compressed buckets all go by allgather runs without the exchange thread
-(``_run_posted``): the communication thread posts each bucket's allgather once the bucket
-is compressed and tests the oldest one in flight between compressions, so several are in
-flight at once and no thread polls beside the compression.
+Buckets that go by allgather or by random-k's sparse allreduce do not come here when a
+step has two or more of them: ``gradfuse.grouped`` posts their collectives from the
+communication thread, in exchange groups, and hands the step's other buckets (two-phase,
+16-bit) to ``run_jobs``. The exchange thread then runs two-phase buckets, 16-bit ones
+between 2 hosts, and a lone allgather or sparse-allreduce bucket among them.
 
 Errors: the first error of an exchange (a raise in the job, a failed collective) stops
 the exchange thread's part of the step: the buckets queued after it are dropped, not
@@ -66,7 +67,7 @@ def enabled(comm, device):
 #: non-blocking calls it polls (and the 16-bit allreduce where ``swaps16``); a step with
 #: none of them runs serially: blocking calls that spin measured slower pipelined
 POLLED = frozenset({"allgather", "twophase", "sparse_allreduce"})
-POLL_S = 50e-6       # the exchange thread's sleep between two tests of its request (measured)
+POLL_S = 50e-6       # the sleep between two tests of a request (exchange thread, exchange groups; measured)
 TAG16 = 13           # the 2-rank 16-bit sum's messages on the data communicator
 
 
@@ -97,7 +98,8 @@ def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
     decode each at once when the step streams (fp16/bf16 buckets that cannot fail; ``stream``
     is that verdict, or a function that returns it, called once): pipelined on ``ov`` (an
     ``Overlap``, or None for serial) where ``enabled`` and some job's collective is
-    ``polled`` (a streamed step: every job's), else one after the other."""
+    ``polled`` (a streamed step: every job's), else one after the other. The step's
+    buckets that ``gradfuse.grouped`` runs in exchange groups are not among ``jobs``."""
     on = ov is not None and len(jobs) >= 2 and enabled(comm, device)
     if (on and callable(stream) and all(j.algorithm == "allreduce" and polled(j, comm) and not j.state.cur.size
                                         for j in jobs)):
@@ -113,76 +115,10 @@ def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
             if stream:
                 decode(job)
         return
-    if POSTED and not stream and all(j.algorithm == "allgather" for j in jobs):
-        return _run_posted(ov, comm, jobs, compress, exchange)
     polling = PollingComm(comm)
     for job in jobs:
         job.comm = polling
     ov.run(jobs, compress, exchange)
-
-
-#: whether a step of allgathers alone posts them from the communication thread
-#: (``_run_posted``); False runs them on the exchange thread, one at a time, as before
-#: (scripts/pipelined_overlap.py ``--thread`` times both in one run)
-POSTED = True
-
-
-def _run_posted(ov, comm, jobs, compress, exchange):
-    """A step whose compressed buckets all go by allgather (top-k, random-k, 1-bit and
-    2-bit on the allgather), without the exchange thread: the communication thread posts
-    each bucket's allgather (MPI's non-blocking call) as soon as the bucket is compressed,
-    and tests the oldest one still in flight between two compressions (each test makes
-    progress on all of them), then waits for the rest, polled. Several allgathers are in
-    flight at once, so a bucket's waits for the other rank no longer queue up one after
-    the other, and no second thread polls beside the compression: on 2 ranks per 2 cores
-    that thread's polling took about 13 ms of CPU a step from the compressions (top-k,
-    ResNet-50) and made them 14 % slower (docs/benchmarks.md, "Pipelined buckets"). The
-    same collectives on the same bytes in the same order as serially: the same bits.
-    Errors: every collective posted is completed (the other ranks run it too); once an
-    allgather or its bookkeeping failed, the buckets after it are still compressed and
-    posted, so every rank runs the step's collectives alike, and the first error is
-    raised once none is in flight. An error of a compression stops the posting (as
-    serially) after the posted ones complete."""
-    from ..comm.mpi import mpi
-    MPI = mpi()
-    ov.runs += 1
-    pending, errors = [], []
-
-    def done(job):
-        """``job``'s allgather completed: its bookkeeping, as ``exchange`` (the step's: a
-        timeline span on this thread), which finds the allgather posted and done."""
-        if not errors:
-            try:
-                exchange(job)
-            except BaseException as exc:
-                errors.append(exc)
-
-    def settle(block):
-        while pending:
-            job = pending[0]
-            try:
-                while not job.request.Test():
-                    if not block:
-                        return
-                    time.sleep(POLL_S)
-            except BaseException as exc:        # a failed collective: it is over
-                errors.append(exc)
-            pending.pop(0)
-            job.request = None
-            done(job)
-    try:
-        for job in jobs:
-            compress(job)
-            job.posted = True
-            job.request = comm.data.Iallgather([PollingComm._bytes(job.send), MPI.BYTE],
-                                               [PollingComm._bytes(job.recv), MPI.BYTE])
-            pending.append(job)
-            settle(False)
-    except BaseException as exc:
-        errors.insert(0, exc)
-    settle(True)
-    if errors:
-        raise errors[0]
 
 
 #: how many parts the communication thread casts ahead of the transfer in a pipelined
@@ -335,7 +271,7 @@ class Overlap:
         self._queue = None
         self._thread = None
         self._lock = threading.Lock()
-        self.runs = 0             # steps whose buckets ran pipelined
+        self.runs = 0             # pipelined hand-overs: runs of this thread, and steps' exchange groups
 
     def _start(self):
         with self._lock:

@@ -72,7 +72,15 @@ def n_buckets(pipe):
 
 
 @pytest.mark.parametrize("name,opts", CASES)
-def test_pipelined_steps_are_the_serial_bits(world, name, opts):
+def test_pipelined_steps_are_the_serial_bits(world, monkeypatch, name, opts):
+    from gradfuse import grouped
+    made = []
+    plan = grouped.plan
+
+    def spy(jobs, comm):
+        made.append(sorted({j.algorithm for j in jobs}))
+        return plan(jobs, comm)
+    monkeypatch.setattr(grouped, "plan", spy)
     rank = world.Get_rank()
     a, b = pair(name, opts)
     for step in range(4):
@@ -81,6 +89,10 @@ def test_pipelined_steps_are_the_serial_bits(world, name, opts):
         assert same_state(a, b), (name, opts, step)
     assert n_buckets(a) >= 5
     assert a._cfg.overlap.runs == (0 if name in SERIAL else 4)
+    # every allgather and sparse-allreduce step in exchange groups (gradfuse.grouped)
+    grouped_algo = None if name in SERIAL or opts.get("algorithm") == "twophase" else \
+        "sparse_allreduce" if opts.get("algorithm") == "allreduce" else "allgather"
+    assert made == ([] if grouped_algo is None else [[grouped_algo]] * 4), made
     assert (a._cfg.overlap.runs > 0) == (name not in SERIAL)     # the exchange thread ran
     assert b._cfg.overlap is None
     assert a.stats.as_dict() == b.stats.as_dict()
@@ -235,15 +247,19 @@ class Inject:
 ])
 @pytest.mark.parametrize("stage", ["exchange", "compress"])
 def test_an_error_in_one_bucket_reaches_every_rank(world, monkeypatch, name, opts, cls, stage):
+    from gradfuse import grouped
+    monkeypatch.setattr(grouped, "LAST_GROUP", 40)      # groups of a few buckets: the error's
+    monkeypatch.setattr(grouped, "MAX_GROUP", 90)       # group has others after it
     rank = world.Get_rank()
     a, b = pair(name, opts)
     a.allreduce(grads_for(rank, 0))
     b.allreduce(grads_for(rank, 0))
-    # random-k's buckets go in exchange groups (gradfuse.grouped), whose
-    # collectives are the group's: the bucket's own part of its exchange is serve(), the
-    # sum of this rank's chunks between the alltoall and the allgather (these buckets'
-    # rows are a few hundred bytes: one group)
-    method = "serve" if cls is SparseAllreduceJob and stage == "exchange" else stage
+    # allgather and sparse-allreduce buckets go in exchange groups (gradfuse.grouped),
+    # whose collectives are the group's: the bucket's own part of its exchange is
+    # received() (the allgather's bookkeeping) or serve() (the sum of this rank's chunks
+    # between the alltoall and the allgather)
+    method = {AllgatherJob: "received", SparseAllreduceJob: "serve"}.get(cls, stage) if stage == "exchange" \
+        else stage
     inj = Inject(monkeypatch, cls, stage, bad=2, slow=0.2 if stage == "exchange" else 0.0, method=method)
     inj.armed = True
     before = a.state_dict()["step"]
