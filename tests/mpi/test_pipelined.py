@@ -190,6 +190,17 @@ def test_16bit_parts_bound_the_shared_buffers(world, monkeypatch):
     assert a._cfg.overlap.runs == (4 + 3 * 2 if p == 2 else 0)     # a step that cannot stream: 2 hand-overs
 
 
+def both(a, b, g):
+    """Each pipeline's result of allreduce(g), or its NonFiniteError's message."""
+    outs = []
+    for pipe in (a, b):
+        try:
+            outs.append(pipe.allreduce(g))
+        except NonFiniteError as exc:
+            outs.append(str(exc))
+    return outs
+
+
 @pytest.mark.parametrize("name,opts", [("1bit", {"algorithm": "twophase"}), ("topk", {"ratio": 0.1}),
                                        ("fp16", {})])
 def test_nonfinite_skip_and_raise_unchanged(world, name, opts):
@@ -200,12 +211,7 @@ def test_nonfinite_skip_and_raise_unchanged(world, name, opts):
             g = grads_for(rank, step, ints=True)
             if step == 1 and rank == size - 1:
                 g["t6"][11] = np.inf
-            outs = []
-            for pipe in (a, b):
-                try:
-                    outs.append(pipe.allreduce(g))
-                except NonFiniteError as exc:
-                    outs.append(str(exc))
+            outs = both(a, b, g)
             if step == 1 and policy == "raise":
                 assert isinstance(outs[0], str) and outs[0] == outs[1]
             else:
@@ -359,12 +365,7 @@ def test_randomk_exchange_groups_are_the_serial_bits(world, monkeypatch, name, o
             g = grads_for(rank, step)
             if step == 3 and rank == size - 1:
                 g["t6"][11] = np.nan
-            outs = []
-            for pipe in (a, b):
-                try:
-                    outs.append(pipe.allreduce(g))
-                except NonFiniteError as exc:
-                    outs.append(str(exc))
+            outs = both(a, b, g)
             if step == 3 and policy == "raise":
                 assert isinstance(outs[0], str) and outs[0] == outs[1], outs
                 assert f"rank(s) {size - 1}" in outs[0]
