@@ -71,6 +71,27 @@ def n_buckets(pipe):
     return len(next(iter(pipe._plans.values())).plan.buckets)
 
 
+def refused_alike(a, b, g):
+    """Both pipelines refuse ``g`` with a NonFiniteError, with the same message."""
+    errors = []
+    for pipe in (a, b):
+        with pytest.raises(NonFiniteError, match="NaN/Inf in the step's gradients") as exc:
+            pipe.allreduce(g)
+        errors.append(str(exc.value))
+    assert errors[0] == errors[1]
+
+
+def both(a, b, g):
+    """Each pipeline's result of allreduce(g), or its NonFiniteError's message."""
+    outs = []
+    for pipe in (a, b):
+        try:
+            outs.append(pipe.allreduce(g))
+        except NonFiniteError as exc:
+            outs.append(str(exc))
+    return outs
+
+
 @pytest.mark.parametrize("name,opts", CASES)
 def test_pipelined_steps_are_the_serial_bits(world, monkeypatch, name, opts):
     from gradfuse import grouped
@@ -131,12 +152,7 @@ def test_16bit_steps_between_hosts_are_the_serial_bits(world, monkeypatch, name,
     big = grads_for(rank, 9)
     if rank == world.Get_size() - 1:
         big["t6"][11] = np.inf
-    errors = []
-    for pipe in (a, b):
-        with pytest.raises(NonFiniteError, match="NaN/Inf in the step's gradients") as exc:
-            pipe.allreduce(big)
-        errors.append(str(exc.value))
-    assert errors[0] == errors[1]
+    refused_alike(a, b, big)
     ra, rb = a.allreduce(grads_for(rank, 10)), b.allreduce(grads_for(rank, 10))     # and they go on
     assert same(ra, rb)
 
@@ -178,27 +194,11 @@ def test_16bit_parts_bound_the_shared_buffers(world, monkeypatch):
     g = grads(6)
     if rank == p - 1:
         g["t3"][1100] = np.inf
-    errors = []
-    for pipe in (a, b):
-        with pytest.raises(NonFiniteError, match="NaN/Inf in the step's gradients") as exc:
-            pipe.allreduce(g)
-        errors.append(str(exc.value))
-    assert errors[0] == errors[1]
+    refused_alike(a, b, g)
     ra, rb = a.allreduce(grads(7)), b.allreduce(grads(7))
     assert same(ra, rb)
     assert a.stats.as_dict() == b.stats.as_dict()
     assert a._cfg.overlap.runs == (4 + 3 * 2 if p == 2 else 0)     # a step that cannot stream: 2 hand-overs
-
-
-def both(a, b, g):
-    """Each pipeline's result of allreduce(g), or its NonFiniteError's message."""
-    outs = []
-    for pipe in (a, b):
-        try:
-            outs.append(pipe.allreduce(g))
-        except NonFiniteError as exc:
-            outs.append(str(exc))
-    return outs
 
 
 @pytest.mark.parametrize("name,opts", [("1bit", {"algorithm": "twophase"}), ("topk", {"ratio": 0.1}),
