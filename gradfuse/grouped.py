@@ -45,6 +45,7 @@ step raises the first error once nothing is in flight.
 """
 import time
 
+from .comm.mpi import mpi
 from .runtime import overlap as _overlap, timeline as _tl
 
 #: bytes of wire rows (this rank's) in the last group; each group before it may hold
@@ -157,11 +158,6 @@ def plan(jobs, comm):
     return groups
 
 
-def _byte():
-    from .comm.mpi import mpi
-    return mpi().BYTE
-
-
 class _Posted:
     """One step's groups in flight, in the order they were posted, and the first error of
     their exchange (a failed collective, or a job's ``serve`` or ``received``)."""
@@ -211,7 +207,7 @@ class _Posted:
         second one (``_promote``)."""
         for g in self.groups:
             self._promote(g)
-        b, data = _byte(), self.comm.data
+        b, data = mpi().BYTE, self.comm.data
         if group.sparse:
             group.req = data.Ialltoall([group.bufs[0], b], [group.bufs[1], b])
             group.state = "alltoall"
@@ -231,7 +227,7 @@ class _Posted:
             self._wait(group)
             self._ended(group)
         if group.state == "served":
-            b = _byte()
+            b = mpi().BYTE
             group.req = self.comm.data.Iallgather([group.bufs[2], b], [group.bufs[3], b])
             group.state = "allgather"
 
