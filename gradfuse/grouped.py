@@ -62,22 +62,51 @@ def groupable(job, comm):
     return job.algorithm in ALGORITHMS and job.bk.device == "cpu" and hasattr(comm, "data")
 
 
-def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
+def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode, verdict=None):
     """Compress and exchange the step's compressed ``jobs`` (a list, in bucket order; the
-    stages are the step's). Pipelined (``ov``, the pipeline's ``Overlap``, where
-    ``runtime.overlap.enabled``), the ``groupable`` jobs run in exchange groups (``run``)
-    when there are at least two of them; the others then go to ``runtime.overlap.run_jobs``
-    (``stream`` and ``decode``: the 16-bit buckets decoded as they arrive)."""
+    stages are the step's). ``verdict(between)``: the step's agreement on its inputs,
+    called once before the first bucket whose residual is updated in place is compressed;
+    it returns whether the step is settled (cannot be refused). Pipelined (``ov``, the
+    pipeline's ``Overlap``, where ``runtime.overlap.enabled``), the ``groupable`` jobs run
+    in exchange groups (``run``) when there are at least two groups: the ``early`` groups
+    first, compressed before the verdict into spare residuals and posted, so that the link
+    has work while the verdict's pass reads the inputs; in a settled step each bucket is
+    decoded as soon as its group's exchange completes. The others then go to
+    ``runtime.overlap.run_jobs`` (``stream`` and ``decode``: the 16-bit buckets decoded as
+    they arrive)."""
     grouped = []
     if ov is not None and _overlap.enabled(comm, device):
         grouped = [j for j in jobs if groupable(j, comm)]
     if len(grouped) < 2:
+        if verdict is not None:
+            verdict()
         return _overlap.run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode)
-    run(ov, comm, grouped, compress)
+    run(ov, comm, grouped, compress, decode, verdict)
     ids = {id(j) for j in grouped}
     rest = [j for j in jobs if id(j) not in ids]
     if rest:
         _overlap.run_jobs(ov, comm, device, rest, stream, compress, exchange, decode)
+
+
+#: the early groups (``early``) hold at most this share of a step's grouped input bytes:
+#: their residuals are double-buffered (docs/benchmarks.md, "Memory")
+EARLY_SHARE = 0.125
+
+
+def early(groups):
+    """How many leading groups a pipelined step compresses before its verdict: whole
+    groups, in bucket order, while their buckets hold at most ``EARLY_SHARE`` of the
+    grouped input bytes; never every group (the verdict's pass must come before the
+    first in-place residual update, and a step with none in place would not learn its
+    bound)."""
+    total = sum(job.bucket.nbytes for g in groups for job in g.jobs)
+    n, acc = 0, 0
+    for g in groups[:-1]:
+        acc += sum(job.bucket.nbytes for job in g.jobs)
+        if acc > EARLY_SHARE * total:
+            break
+        n += 1
+    return n
 
 
 def cut(sizes, last=None, most=None):
@@ -162,8 +191,9 @@ class _Posted:
     """One step's groups in flight, in the order they were posted, and the first error of
     their exchange (a failed collective, or a job's ``serve`` or ``received``)."""
 
-    def __init__(self, comm):
-        self.comm, self.groups, self.error = comm, [], None
+    def __init__(self, comm, decode=None):
+        self.comm, self.groups, self.error, self.decode = comm, [], None, decode
+        self.ready = []          # a settled step's groups received and not yet decoded
 
     def _part(self, group, name):
         """The jobs' ``name`` part of the group's exchange; skipped once the step has an
@@ -201,6 +231,27 @@ class _Posted:
         else:
             group.state, group.t_done = "done", _tl.clock()
             self._part(group, "received")
+            self.ready.append(group)         # decoded here only in a settled step (``decode``)
+
+    def _in_flight(self):
+        return any(g.state in ("alltoall", "served", "allgather") for g in self.groups)
+
+    def decode_ready(self):
+        """A settled step: the received groups' buckets decoded into the outputs now
+        (``stream``: the step does not decode them again). A bucket that reports non-finite
+        values anyway, or an error, stops it (the step then raises; its verdict names what
+        was written)."""
+        while self.ready and self.decode is not None and self.error is None:
+            for job in self.ready.pop(0).jobs:
+                if job.nonfinite_ranks:
+                    self.decode = None
+                    return
+                try:
+                    self.decode(job)
+                except BaseException as exc:
+                    self.error = exc
+                    return
+                job.stream = True
 
     def post(self, group):
         """Post the group's (first) collective, after every earlier sparse allreduce's
@@ -239,15 +290,22 @@ class _Posted:
             if g.state in ("alltoall", "allgather") and self._test(g):
                 self._ended(g)
             if g.state != "done":
-                return
+                break
+        if self.ready and self._in_flight():
+            # a settled step decodes while later groups are on the wire; with nothing in
+            # flight the next compression comes first, so that the link has work
+            self.decode_ready()
 
     def finish(self):
-        """Complete every group posted, in order."""
+        """Complete every group posted, in order (a settled step decoding the groups
+        received while it waits for the next)."""
         for g in self.groups:
             self._promote(g)
             if g.state == "allgather":
+                self.decode_ready()
                 self._wait(g)
                 self._ended(g)
+        self.decode_ready()
 
 
 def _record(groups):
@@ -269,14 +327,23 @@ def _record(groups):
         prev = t1
 
 
-def run(ov, comm, jobs, compress):
+def run(ov, comm, jobs, compress, decode=None, verdict=None):
     """Compress and exchange the ``groupable`` ``jobs`` (in bucket order) in exchange
     groups; returns once every group's exchange is complete (each job's ``received`` has
-    run). ``compress(job)``: the step's compress stage. ``ov``: the pipeline's
+    run). ``compress(job)``: the step's compress stage; ``verdict(between)``: the step's
+    agreement on its inputs (``run_jobs``), called after the ``early`` groups are
+    compressed and posted (their residuals pinned: written into spares), or None;
+    ``decode(job)``: the step's decode stage, run on each bucket as soon as its group
+    completed when the verdict says the step is settled. ``ov``: the pipeline's
     ``Overlap``, whose ``runs`` counts the pipelined hand-overs."""
     if not jobs:
         return
     groups = plan(jobs, comm)
+    n_early = early(groups) if verdict is not None else 0
+    for i, g in enumerate(groups):
+        for job in g.jobs:
+            job.state.pin(i < n_early)
+    early_ids = {id(job) for g in groups[:n_early] for job in g.jobs}
     last = {}
     for g in groups:
         last.setdefault(id(g.jobs[-1]), []).append(g)
@@ -284,12 +351,17 @@ def run(ov, comm, jobs, compress):
     ov.runs += 1
     try:
         for job in jobs:
+            if verdict is not None and id(job) not in early_ids:
+                sure, verdict = verdict(posted.progress), None
+                if sure and decode is not None:
+                    posted.decode = decode
             compress(job)
             for g in last.get(id(job), ()):
                 posted.post(g)
             posted.progress()
-    except BaseException as exc:            # a compression (or a post) failed: no more posting
-        error = exc
+    except BaseException as exc:            # a compression, a post or the verdict failed:
+        error = exc                         # no more posting (nor decoding)
+        posted.decode = None
     try:
         posted.finish()                     # every rank posted these: complete them first
     except BaseException as exc:

@@ -11,7 +11,10 @@ bucket (or of the step), so that later work can reorder and pipeline them:
    residual, one fused kernel) and ``exchange(job)`` (the job's collective); pipelined, the
    exchange of one bucket overlaps the next one's compression (``gradfuse.grouped``: the
    allgather and sparse-allreduce buckets in exchange groups posted from this thread, the
-   others on ``gradfuse.runtime.overlap``'s exchange thread).
+   others on ``gradfuse.runtime.overlap``'s exchange thread). Before the first in-place
+   residual update the ranks agree on the inputs' bound (``input_bound``); a *settled*
+   step (nothing can overflow, ``jobs.settled``) decodes its grouped buckets as their
+   groups arrive (stage 5 early).
 3. ``check_finite(step, jobs)``: every rank has the same non-finite verdict here; a bad
    step raises ``NonFiniteError`` on every rank before anything is written.
 4. Plain buckets: ``pack(step, b)``, ``reduce(step, comm, b)`` (the MPI library's or
@@ -29,7 +32,8 @@ from . import dtypes as _dt
 from . import grouped as _grouped
 from .compressors import momentum as _momentum
 from .compressors.base import BucketContext
-from .compressors.jobs import BucketTask, halves_cannot_fail, inputs_finite, job_class, pays, ring_bytes
+from .compressors.jobs import (BucketTask, halves_cannot_fail, input_bound, job_class, pays, plan_step, ring_bytes,
+                               settle_bounds)
 from .errors import NonFiniteError
 from .fusion.staging import F16, staging
 from .fusion.deferred import view_at
@@ -216,18 +220,32 @@ class Step:
             for job in jobs.values():
                 if vel:
                     velocity(job, vel)
-            if any(j.state.in_place for j in jobs.values()) and not inputs_finite(jobs, comm):
-                for job in jobs.values():
-                    job.state.spare()     # a step that may be refused keeps its residuals: spares
+            bound = []
+
+            def verdict(between=None):
+                """Before the first in-place residual update: every rank agrees on the
+                inputs' bound; a step that may be refused takes spare residuals. Returns
+                whether the step is settled (cannot be refused)."""
+                if not any(j.state.in_place for j in jobs.values()):
+                    return False
+                m, e = input_bound(jobs, comm, between)
+                bound.append(m)
+                in_place, sure = plan_step(jobs, m, e, comm.size)
+                if not in_place:
+                    for job in jobs.values():
+                        job.state.spare()     # a step that may be refused keeps its residuals: spares
+                return sure
             stream = lambda: halves_cannot_fail(jobs, comm)     # noqa: E731 (fp16/bf16: bucket by bucket)
-            # pipelined: exchange groups on this thread (gradfuse.grouped), the rest on the
-            # exchange thread (gradfuse.runtime.overlap)
+            # pipelined: exchange groups on this thread (gradfuse.grouped: the early groups
+            # compressed before the verdict, a settled step's buckets decoded as their groups
+            # arrive), the rest on the exchange thread (gradfuse.runtime.overlap)
             _grouped.run_jobs(cfg.overlap, comm, self.entry.bk.device, list(jobs.values()), stream,
-                              compress, exchange, decode)
+                              compress, exchange, decode, verdict)
             if jobs:
                 cfg.state.claim_done(self.entry.state_key)
             if not check_finite(self, jobs):
                 return skip(self, comm)
+            settle_bounds(jobs, bound[0] if bound and bound[0] < float("inf") else None)
         # one rank, in place: the sum (and the mean) of one tensor is the tensor itself
         plain = () if comm.size == 1 and self.inplace and not vel else plan.buckets
         rows = rows_buckets(self, comm, plain, jobs, vel)
@@ -418,8 +436,12 @@ def check_finite(step, jobs):
     kept = ("the residuals are unchanged" if not lost else
             f"the residuals of {len(lost)} bucket(s) were reset to zero (finite inputs overflowed float32 "
             f"in their in-place update)")
+    written = sorted(j.bucket.index for j in jobs.values() if j.stream)
+    wrote = ("no result was written" if not written else
+             f"but bucket(s) {', '.join(map(str, written))} had already been written (the step's bound said "
+             f"no value could overflow: please report this)")
     raise NonFiniteError(f"{cfg.compressor.name}: NaN/Inf in the step's gradients; the step was refused on "
-                         f"every rank, no result was written and {kept}: "
+                         f"every rank, {wrote} and {kept}: "
                          + "; ".join(parts))
 
 

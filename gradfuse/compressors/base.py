@@ -53,6 +53,24 @@ import numpy as np
 from . import cost
 
 F32 = np.dtype(np.float32)
+FLT_MAX = float(np.finfo(np.float32).max)
+#: how far one float32 rounding can move a value: at most a factor 1 + 2^-24 (round to
+#: nearest); ``settled_bound`` uses twice that per rounding
+ROUNDING = 2.0 ** -23
+
+
+def settled_bound(c, p, terms=1, limit=0.0):
+    """The residual bound of a compressor whose fused kernels, given values with every
+    |c| <= ``c``, write residuals and payloads that decode to at most ``c`` grown by
+    ``terms`` float32 roundings (a mean of |c| over a block, summed in float32, may exceed
+    the block's largest |c| by that much) or at most ``limit`` (a fixed decoded value:
+    2-bit's absolute threshold): that bound, or None when ``p`` such payloads, or a sum of
+    ``terms`` values, could come within a factor 256 of float32's largest value (then
+    the step is not known not to overflow). ``Compressor.settle`` of the built-ins."""
+    grown = c * (1.0 + terms * ROUNDING)
+    if not grown < float("inf") or not max(grown, limit) * (terms + p) * 256.0 < FLT_MAX:
+        return None
+    return grown
 
 
 @dataclass(frozen=True)
@@ -284,6 +302,18 @@ class Compressor(ABC):
     def decompress_sum_table(self, rows, table, divisor, ctx):
         """Fused decode-sum-divide into the tensors; False if not provided."""
         return False
+
+    def settle(self, c, p):
+        """None (the default), or a bound on the residuals the fused kernels write when
+        every value they compress (c = g + e) has |c| <= ``c`` on each of ``p`` ranks,
+        provided no payload, residual or decoded sum of p payloads can then overflow
+        float32 (``settled_bound``). With it, a pipelined host step whose inputs are finite
+        decodes each bucket as soon as its exchange completes, before the step's
+        non-finite verdict: it knows that verdict will be clean (``gradfuse.step``,
+        "settled steps"); the residual bounds it keeps also come from here. A compressor
+        that cannot promise this (every user-defined one, unless it says so) keeps
+        decoding after the verdict."""
+        return None
 
 
 class NoneCompressor(Compressor):

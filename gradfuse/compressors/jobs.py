@@ -27,22 +27,102 @@ def pays(comp, algorithm, n, p, link, counts):
     return cost.predict(comp, algorithm, n, p, link, counts=counts) < cost.predict("none", "ring", n, p, link)
 
 
-def inputs_finite(jobs, comm):
-    """Whether every rank's compressed inputs are finite (single-buffered residuals are then
-    updated in place). One float32 sum per tensor (numpy 1.x's pairwise
-    ``np.add.reduce(x, dtype=np.float32)``, bit for bit, on any numpy, by the
-    ``table_first_bad_sum`` kernel: one call per bucket; a finite sum has finite terms
-    whatever the order of the adds; an overflowing one only costs this step its in-place
-    update) and one allreduce of a flag."""
-    bad = 0
+#: a residual bound above this is measured again (one max |e| pass over that residual)
+#: before a step relies on it: bounds grow by each step's largest |g| and a few roundings,
+#: so in a run whose values stay finite this happens rarely, if ever
+MEASURE_ABOVE = 2.0 ** 64
+
+
+def _bounded(job):
+    """Whether ``job``'s residual is bounded by its state's ``bound`` and its compressor's
+    ``settle``: a worker residual only (no server residual, no velocity), updated in place."""
+    st = job.state
+    return (st.single and st.cur.size > 0 and not st.server_cur.size and not st.vel_cur.size
+            and job.velocity is None and job.comp.settle(0.0, job.comm.size) is not None)
+
+
+def _measured(st):
+    """max |e| of a single-buffered host residual (one pass), kept as its bound."""
+    e = st.cur
+    st.bound = _core.table_absmax(np.array([e.ctypes.data], np.int64), np.array([e.size], np.int64), 0, 1)
+    return st.bound
+
+
+def input_bound(jobs, comm, between=None):
+    """``(M, E)``, the same on every rank: M the largest |x| of every rank's compressed
+    inputs (inf once one is not finite; then the step may be refused and single-buffered
+    residuals take spares), E the largest bound on their residuals (inf when a job's
+    residual is not ``_bounded``). One max |x| per bucket (``table_absmax``, AVX2, one
+    call per bucket; ``between()`` after each: a pipelined step's exchanges in flight
+    progress meanwhile) and one max-allreduce of the pair.
+
+    M finite means every input is finite (single-buffered residuals are then updated in
+    place); with E it also bounds every value the kernels compress, |g + e| <= M + E,
+    which ``settled`` turns into "no value of this step can overflow"."""
+    m = 0.0
     for job in jobs.values():
         ptrs, _, cnt, lo, hi = job.src
-        if _core.table_first_bad_sum(ptrs, cnt, lo, hi) >= 0:
-            bad = 1
+        m = max(m, _core.table_absmax(ptrs, cnt, lo, hi))
+        if between is not None:
+            between()
+        if m == float("inf"):
             break
-    flags = np.array([bad], np.int64)
-    comm.allreduce_inplace(flags)
-    return not flags[0]
+    e = 0.0
+    if m < float("inf") and all(_bounded(j) for j in jobs.values()):
+        for job in jobs.values():
+            st = job.state
+            e = max(e, st.bound if st.bound <= MEASURE_ABOVE else _measured(st))
+    else:
+        e = float("inf")
+    flags = np.array([m, e], np.float64)
+    out = np.empty_like(flags)
+    comm.allreduce_op(flags, out, "max")
+    return float(out[0]), float(out[1])
+
+
+def _reach(m, e):
+    """A bound on |fl(g + e)| for |g| <= m, |e| <= e (the add rounds once)."""
+    return (m + e) * (1.0 + 2.0 ** -23)
+
+
+def settled(jobs, m, e, p):
+    """Whether no value of the step can overflow (``input_bound``'s M and E, every job
+    ``_bounded``): then its non-finite verdict is known to be clean before any exchange,
+    and a bucket may be decoded into the outputs as soon as its exchange completes."""
+    c = _reach(m, e)
+    return bool(jobs) and c < float("inf") and all(
+        _bounded(j) and j.comp.settle(c, p) is not None for j in jobs.values())
+
+
+#: with residuals that ``settled`` cannot bound, inputs this large (or not finite) make
+#: a step take spare residuals, as one that may overflow: a step refused then leaves
+#: them as they were (float32's largest value / 2^32)
+SPARE_ABOVE = float(np.finfo(np.float32).max) * 2.0 ** -32
+
+
+def plan_step(jobs, m, e, p):
+    """``(in_place, settled)`` for a step of single-buffered ``jobs`` with ``input_bound``'s
+    M and E: settled (``settled``) steps update their residuals in place and decode each
+    bucket as it arrives; the others update in place only when every input is finite and,
+    where some residual has no bound, below ``SPARE_ABOVE`` (else the step takes spares,
+    so that a refused step keeps the residuals as they were)."""
+    sure = settled(jobs, m, e, p)
+    if sure:
+        return True, True
+    if all(_bounded(j) for j in jobs.values()):
+        return False, False            # the bound cannot rule out an overflow
+    return m < SPARE_ABOVE, False
+
+
+def settle_bounds(jobs, m):
+    """After a committed step whose inputs had |g| <= ``m`` (None: not known): each job's
+    residual bound for the next step (inf where it cannot be bounded)."""
+    for job in jobs.values():
+        st = job.state
+        b = None
+        if m is not None and _bounded(job):
+            b = job.comp.settle(_reach(m, st.bound), job.comm.size)
+        st.bound = float("inf") if b is None else b
 
 
 # 16-bit formats: (unit roundoff, largest finite value)

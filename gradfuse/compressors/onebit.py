@@ -34,7 +34,7 @@ DGC's form (the velocity never sees the compressor), which on the digits CNN at 
 import numpy as np
 
 from .. import _core
-from .base import Compressor, block_parts, kernels
+from .base import Compressor, block_parts, kernels, settled_bound
 
 ALGORITHMS = ("auto", "allgather", "twophase")
 VELOCITY = ("sent", "local")
@@ -170,3 +170,9 @@ class OneBit(Compressor):
         dst, off, cnt, lo, hi = table
         kernels(ctx).onebit_decompress_sum(rows[0], rows[1], self.block, dst, off, cnt, lo, hi, divisor)
         return True
+
+    def settle(self, c, p):
+        """A block's scale is the mean of its |c| (lane sums of block / 32 values, a
+        5-level tree, a divide), so at most the block's largest |c| grown by that many
+        roundings; a residual c - scale (same sign) is at most the larger of the two."""
+        return settled_bound(c, p, terms=self.block // 32 + 8)

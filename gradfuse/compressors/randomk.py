@@ -18,7 +18,7 @@ pipeline's checkpointed state, so a restored run draws the same positions.
 import numpy as np
 
 from .. import _core
-from .base import Compressor, array_module, kernels, tensor_counts
+from .base import Compressor, array_module, kernels, settled_bound, tensor_counts
 from .topk import check_ratio, ks_for
 
 M64 = (1 << 64) - 1
@@ -134,3 +134,8 @@ class RandomK(Compressor):
         rows_idx = xp.ascontiguousarray(xp.broadcast_to(idx, (rows[0].shape[0], idx.size)))
         kernels(ctx).sparse_decompress_sum(xp.ascontiguousarray(rows[0]), rows_idx, dst, off, cnt, lo, hi, divisor)
         return True
+
+    def settle(self, c, p):
+        """As top-k's: the drawn values are c, the residual c off the drawn positions and 0 on
+        them."""
+        return settled_bound(c, p)

@@ -6,9 +6,10 @@ can only ever be applied to the bucket it came from. On a GPU (and with momentum
 residual is double-buffered: kernels write the new residual into the spare buffer, and
 ``commit`` swaps it in once every rank has agreed the step was finite. On the host a
 residual is a single buffer (``single``): the step first agrees that every compressed
-input is finite (``gradfuse.step.inputs_finite``) and the kernels then update it in place
-(``nxt is cur``); a step that cannot promise that gets a spare for that step only
-(``spare()``), dropped again at ``commit``/``release``. With ``momentum`` (DGC's momentum correction,
+input is finite and that nothing can overflow (``gradfuse.compressors.jobs.input_bound``,
+with each residual's ``bound``) and the kernels then update it in place (``nxt is cur``);
+a step that cannot promise that gets a spare for that step only (``spare()``), dropped
+again at ``commit``/``release``; a pipelined step's early groups keep theirs (``pin``). With ``momentum`` (DGC's momentum correction,
 ``gradfuse.compressors.momentum``) each bucket also keeps this rank's velocity, double-
 buffered the same way, and a pending factor ``velocity_scale`` that the next velocity
 update folds into the momentum (``CompressionState.scale_velocity``).
@@ -37,7 +38,7 @@ class BucketState:
     """
 
     __slots__ = ("n", "cur", "nxt", "server_cur", "server_nxt", "vel_cur", "vel_nxt", "vscale",
-                 "algorithm", "device", "bk", "tables", "single")
+                 "algorithm", "device", "bk", "tables", "single", "bound", "pinned")
 
     def __init__(self, n, server_n, algorithm, bk, velocity=0, single=False):
         self.bk = bk
@@ -48,6 +49,10 @@ class BucketState:
         self.server_cur = self.vel_cur = None
         self.vscale = 1.0
         self.tables = {}         # pointer tables over this state's arrays (gradfuse.compressors.momentum)
+        # an upper bound on |cur| (gradfuse.compressors.jobs.input_bound): exact for zeros and
+        # restored residuals, then grown step by step by the compressor's ``settle``; inf: unknown
+        self.bound = 0.0
+        self.pinned = False      # single, but keeps its spare across steps (``pin``)
         self.ensure(n, server_n, velocity)
 
     def ensure(self, n, server_n, velocity):
@@ -56,9 +61,12 @@ class BucketState:
         spare = (lambda m: None) if self.single else (lambda m: bk.zeros(m, np.float32))   # noqa: E731
         if self.n != n:
             self.n, self.cur, self.nxt = n, bk.zeros(n, np.float32), spare(n)
+            self.bound = 0.0
         if self.server_cur is None or self.server_cur.size != server_n:
             self.server_cur, self.server_nxt = bk.zeros(server_n, np.float32), spare(server_n)
         self.release()
+        if self.pinned:
+            self.spare()
         if self.vel_cur is None or self.vel_cur.size != velocity:
             self.vel_cur, self.vel_nxt = bk.zeros(velocity, np.float32), bk.zeros(velocity, np.float32)
             self.vscale = 1.0
@@ -84,21 +92,37 @@ class BucketState:
         known to be finite on every rank, so it may be refused and must leave the
         residuals as they were)."""
         if self.single:
-            if self.nxt is self.cur:
+            if self.nxt is self.cur or self.nxt is None or self.nxt.size != self.cur.size:
                 self.nxt = self.bk.zeros(self.cur.size, np.float32)
-            if self.server_nxt is self.server_cur:
+            if (self.server_nxt is self.server_cur or self.server_nxt is None
+                    or self.server_nxt.size != self.server_cur.size):
                 self.server_nxt = self.bk.zeros(self.server_cur.size, np.float32)
 
     def release(self):
-        """Drop a step's spare buffers (single-buffered): the kernels write in place again."""
-        if self.single:
+        """Drop a step's spare buffers (single-buffered, not pinned): the kernels write in
+        place again."""
+        if self.single and not self.pinned:
             self.nxt, self.server_nxt = self.cur, self.server_cur
+
+    def pin(self, on=True):
+        """Keep (``on``) or stop keeping a spare residual across steps: a single-buffered
+        bucket that a pipelined step compresses before every rank agreed its inputs are
+        finite (``gradfuse.grouped``, "early groups") writes into the spare, as a GPU's
+        double-buffered residual does, and ``commit`` swaps it in."""
+        if not self.single or on == self.pinned:
+            return
+        self.pinned = on
+        if on:
+            self.spare()
+        else:
+            self.release()
 
     def zero(self):
         """Clear the residuals (a refused step whose in-place update could not be undone)."""
         for a in (self.cur, self.server_cur):
             if a.size:
                 a[...] = 0
+        self.bound = 0.0
         self.release()
 
     def commit_velocity(self):
@@ -114,6 +138,7 @@ class BucketState:
         res, srv = saved["residual"], saved["server_residual"]
         ok = res.size == self.cur.size and srv.size == self.server_cur.size
         if ok:
+            self.bound = float(np.abs(res).max()) if res.size else 0.0
             if res.size:
                 bk.upload(self.cur, res)
             if srv.size:

@@ -11,7 +11,7 @@ import math
 import numpy as np
 
 from .. import _core
-from .base import Compressor, array_module, kernels, tensor_counts
+from .base import Compressor, array_module, kernels, settled_bound, tensor_counts
 
 
 def k_for(ratio, n):
@@ -103,3 +103,8 @@ class TopK(Compressor):
         kernels(ctx).sparse_decompress_sum(xp.ascontiguousarray(rows[0]), xp.ascontiguousarray(rows[1]),
                                            dst, off, cnt, lo, hi, divisor)
         return True
+
+    def settle(self, c, p):
+        """The payload values are c where selected and the residual c elsewhere (0 where
+        selected): nothing grows."""
+        return settled_bound(c, p)

@@ -22,7 +22,7 @@ trains only where T suits every tensor (docs/experiments.md, issue 14). Allgathe
 import numpy as np
 
 from .. import _core
-from .base import Compressor, block_parts, kernels
+from .base import Compressor, block_parts, kernels, settled_bound
 
 ALGORITHMS = ("auto", "allgather", "twophase")
 DEFAULT_BLOCK, DEFAULT_FACTOR = 512, 1.0
@@ -163,3 +163,13 @@ class TwoBit(Compressor):
             K.twobit_decompress_sum(rows[0], self.options["threshold"], dst, off, cnt, lo, hi, divisor)
         else:
             K.twobit_block_decompress_sum(rows[0], rows[1], self.block, dst, off, cnt, lo, hi, divisor)
+
+    def settle(self, c, p):
+        """Scaled format: a block's value is the mean |c| of its selected elements (the 1-bit
+        scale's lane and tree order), so at most their largest |c| grown by that many
+        roundings; a residual is c (unselected) or c - value (same sign). Absolute format:
+        the decoded value is the threshold itself, and a residual c or c - threshold
+        (|c| >= threshold, same sign)."""
+        if self.absolute:
+            return settled_bound(c, p, limit=float(self.options["threshold"]))
+        return settled_bound(c, p, terms=self.block // 32 + 8)

@@ -557,19 +557,40 @@ def test_host_residuals_are_single_buffered_and_spared_only_for_a_bad_step(world
     assert np.isfinite(b["residual"]).all() and b["residual"].any()
 
 
-def test_finite_inputs_that_overflow_in_place_reset_the_residual_and_say_so(world):
+def test_finite_inputs_that_may_overflow_take_spares_and_keep_the_residual(world):
     """g + e can overflow float32 with finite g and e (MXNet's 2-bit keeps nearly all of a huge
-    value as residual): the in-place update cannot be undone, so the step is refused on
-    every rank, the message says the residuals were reset, and they are zero."""
+    value as residual). The residual bound (``jobs.input_bound``) sees it coming: the step
+    takes spare residuals, is refused on every rank, and the residual is what it was."""
     pipe = gradfuse.Pipeline(compress="2bit", threshold=0.5)
     huge = lambda: {"w": np.tile(np.repeat(np.float32([3e38, -3e38]), 8), 4)}   # noqa: E731  (its sum is finite)
     pipe.allreduce(huge())                              # residual about +-3e38
-    with pytest.raises(NonFiniteError, match=r"residuals of 1 bucket\(s\) were reset to zero") as info:
+    (before,) = pipe.state_dict()["buckets"].values()
+    assert np.abs(before["residual"]).max() > 1e38
+    with pytest.raises(NonFiniteError, match="no result was written and the residuals are unchanged") as info:
         pipe.allreduce(huge())
     assert len(set(world.allgather(str(info.value)))) == 1
     (b,) = pipe.state_dict()["buckets"].values()
-    assert not b["residual"].any()
-    out = pipe.allreduce({"w": np.ones(64, np.float32)})["w"]     # and it goes on from zero
+    assert bits(b["residual"]) == bits(before["residual"])
+    assert all(st.nxt is st.cur for st in pipe.state.buckets.values())     # the spare was dropped
+
+
+def test_an_overflow_no_bound_foresaw_resets_the_residual_and_says_so(world):
+    """A two-phase server residual has no bound, so inputs below ``SPARE_ABOVE`` update the
+    residuals in place; a server's sum can still overflow when the residuals are near
+    float32's largest value. That in-place update cannot be undone: the step is refused on
+    every rank, the message says the residuals were reset, and they are zero."""
+    pipe = gradfuse.Pipeline(compress="1bit", algorithm="twophase")
+    x = {"w": np.linspace(-1, 1, 4096).astype(np.float32)}
+    pipe.allreduce(x)
+    for st in pipe.state.buckets.values():
+        st.cur[...] = 3e38                             # every rank's residual: a scale near the top
+    with pytest.raises(NonFiniteError, match=r"no result was written and the residuals of 1 bucket\(s\) were "
+                                             r"reset to zero") as info:
+        pipe.allreduce(x)
+    assert len(set(world.allgather(str(info.value)))) == 1
+    (b,) = pipe.state_dict()["buckets"].values()
+    assert not b["residual"].any() and not b["server_residual"].any()
+    out = pipe.allreduce({"w": np.ones(4096, np.float32)})["w"]     # and it goes on from zero
     assert np.isfinite(out).all()
 
 

@@ -416,3 +416,125 @@ def test_randomk_exchange_groups_timeline(world, monkeypatch):
     world.Barrier()
     if me == 0:
         os.rmdir(where)
+
+
+SETTLED = [
+    ("1bit", {"algorithm": "allgather", "block_size": 64}),
+    ("2bit", {"block_size": 32}),
+    ("2bit", {"threshold": 0.3}),
+    ("topk", {"ratio": 0.05}),
+    ("randomk", {"ratio": 0.05, "seed": 3}),
+    ("randomk", {"ratio": 0.1, "algorithm": "allreduce"}),
+]
+
+
+@pytest.mark.parametrize("name,opts", SETTLED)
+def test_settled_steps_decode_as_their_groups_arrive(world, monkeypatch, name, opts):
+    """A pipelined step whose inputs are finite and whose bound rules out an overflow
+    (``jobs.settled``) decodes each bucket once its exchange group has arrived, while later
+    groups are still in flight; the early groups are compressed before the verdict into
+    pinned (double-buffered) residuals. The same bits and residuals as the serial step, in
+    place and not, and every bucket decoded once a step."""
+    from gradfuse import grouped, step as step_mod
+    monkeypatch.setattr(grouped, "LAST_GROUP", 40)
+    monkeypatch.setattr(grouped, "MAX_GROUP", 90)
+    log = []
+    ended, decode = grouped._Posted._ended, step_mod.decode
+
+    def spy_ended(self, group):
+        was = group.state
+        ended(self, group)
+        if was == "allgather":
+            log.append(("arrived", tuple(j.bucket.index for j in group.jobs)))
+
+    def spy_decode(job):
+        log.append(("decode", job.bucket.index))
+        return decode(job)
+    monkeypatch.setattr(grouped._Posted, "_ended", spy_ended)
+    monkeypatch.setattr(step_mod, "decode", spy_decode)
+    rank = world.Get_rank()
+    a, b = pair(name, opts)
+    for step in range(4):
+        log.clear()
+        ga, gb = grads_for(rank, step), grads_for(rank, step)
+        if step % 2:
+            a.allreduce_(ga)
+            seen = list(log)
+            b.allreduce_(gb)
+        else:
+            ga = a.allreduce(ga)
+            seen = list(log)
+            gb = b.allreduce(gb)
+        assert same(ga, gb), (name, opts, step)
+        assert same_state(a, b), (name, opts, step)
+        events = seen
+        arrived = [e for e in events if e[0] == "arrived"]
+        last = max(i for i, e in enumerate(events) if e[0] == "arrived")
+        decoded = [e[1] for e in events if e[0] == "decode"]
+        if step:              # step 0 learns the residual bounds (zero residuals: also settled)
+            assert len(arrived) >= 3, events
+            assert any(e[0] == "decode" for e in events[:last]), events   # before the last group arrived
+        assert sorted(decoded) == sorted(i for e in arrived for i in e[1]), events
+    states = list(a.state.buckets.values())
+    pinned = [st for st in states if st.pinned]
+    assert pinned and len(pinned) < len(states)          # early groups: some buckets, never all
+    assert all(st.nxt is not st.cur for st in pinned) and all(st.nxt is st.cur for st in states if not st.pinned)
+    assert a.stats.as_dict() == b.stats.as_dict()
+
+
+@pytest.mark.parametrize("name,opts", SETTLED[:1] + SETTLED[3:5])
+def test_a_refused_settled_candidate_writes_nothing(world, monkeypatch, name, opts):
+    """NaN on one rank in a pipelined in-place step of a compressor that could settle: the
+    early groups were already compressed and posted, yet nothing is decoded: every rank
+    raises, every tensor is unchanged, and the residuals are those before the step."""
+    from gradfuse import grouped
+    monkeypatch.setattr(grouped, "LAST_GROUP", 40)
+    monkeypatch.setattr(grouped, "MAX_GROUP", 90)
+    rank, size = world.Get_rank(), world.Get_size()
+    pipe = gradfuse.Pipeline(compress=name, fusion_threshold=THRESHOLD, pipeline_buckets=True, **opts)
+    for step in range(2):
+        pipe.allreduce_(grads_for(rank, step))
+    before = pipe.state_dict()
+    g = grads_for(rank, 2)
+    if rank == size - 1:
+        g["t8"][5] = np.nan
+    kept = {k: np.array(v, copy=True) for k, v in g.items()}
+    with pytest.raises(NonFiniteError, match="no result was written and the residuals are unchanged"):
+        pipe.allreduce_(g)
+    for k in g:
+        assert np.asarray(g[k]).tobytes() == kept[k].tobytes(), k
+    after = pipe.state_dict()
+    assert all(after["buckets"][k]["residual"].tobytes() == v["residual"].tobytes()
+               for k, v in before["buckets"].items())
+    out = pipe.allreduce(grads_for(rank, 3))                 # and it goes on
+    assert all(np.isfinite(v).all() for v in out.values())
+
+
+@pytest.mark.parametrize("name,opts", SETTLED + [("1bit", {"algorithm": "twophase"})])
+def test_residual_bounds_hold(world, name, opts):
+    """Each residual's bound (``BucketState.bound``, grown by ``Compressor.settle``) is at
+    least its largest |e| after every step; a restored state's bound is its exact largest
+    |e|; a residual without a bound (two-phase, server residual) says inf."""
+    rank = world.Get_rank()
+    pipe = gradfuse.Pipeline(compress=name, fusion_threshold=THRESHOLD, **opts)
+    for step in range(6):
+        g = grads_for(rank, step)
+        g["t2"] *= 10.0 ** (step - 2)                         # magnitudes that move
+        pipe.allreduce_(g)
+        for st in pipe.state.buckets.values():
+            if st.server_cur.size:
+                assert st.bound == float("inf")
+            elif st.cur.size:
+                assert np.abs(st.cur).max() <= st.bound < float("inf"), (name, step)
+    sd = pipe.state_dict()
+    fresh = gradfuse.Pipeline(compress=name, fusion_threshold=THRESHOLD, **opts)
+    fresh.load_state_dict(sd)
+    fresh.allreduce_(grads_for(rank, 6))          # claims the restored residuals
+    again = gradfuse.Pipeline(compress=name, fusion_threshold=THRESHOLD, **opts)
+    again.load_state_dict(sd)
+    from gradfuse.compressors.state import BucketState
+    for key, saved in again.state.pending.items():
+        st = BucketState(saved["n"], saved["server_residual"].size, None,
+                         next(iter(pipe._plans.values())).bk, single=True)
+        st.upload(saved)
+        assert st.bound == (float(np.abs(saved["residual"]).max()) if saved["residual"].size else 0.0)
