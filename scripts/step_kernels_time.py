@@ -4,8 +4,8 @@ or with --mpi every rank of an mpiexec at once (the ranks of one host share its 
 
     python scripts/step_kernels_time.py --rounds 7
     mpiexec -n 2 python scripts/step_kernels_time.py --rounds 7 --mpi   # both ranks at once
-Rows: the finiteness verdicts (``inputs_finite``'s sums, ``halves_cannot_fail``'s
-max |x|, and the former per-tensor numpy loop for comparison), random-k's draw, compress
+Rows: the finiteness verdict (max |x| over the step's tensors, ``table_absmax``: the
+step's bound, ``input_bound``, and ``halves_cannot_fail``), random-k's draw, compress
 (c = g + e, gather, residual in place) and decode (p = 2 rows, averaged: the rows' shared
 positions repeated per row, and as the step passes them, one row of positions and the
 rows where they lie in the receive buffer; and the same on the general path, taken when
@@ -15,7 +15,6 @@ divide; and one float32 copy of the gradients (read + write) as the machine's me
 reference.
 """
 import argparse
-import ctypes
 import json
 import os
 import time
@@ -51,12 +50,6 @@ def main():
     copy = np.empty(n, np.float32)
     buf = np.empty(n, np.uint16)
 
-    def numpy_sums():
-        for r in range(rows):
-            m = int(cnt[r])
-            np.isfinite(np.add.reduce(np.ctypeslib.as_array((ctypes.c_float * m).from_address(int(ptrs[r]))),
-                                      dtype=np.float32))
-
     _core.randomk_compress(ptrs, off, cnt, 0, rows, e, e, 7, ks, vals, idx)
     v2, i2 = np.ascontiguousarray(np.stack([vals, vals])), np.ascontiguousarray(np.stack([idx, idx]))
     recv = np.zeros((2, k + 2), np.float32)       # the allgather's receive rows: header, values
@@ -64,8 +57,6 @@ def main():
     i2g = i2.copy()
     i2g[1, -1] = 0           # rows that differ: the general path (clear, adds, a divide pass over all n)
     cases = {
-        "finite: sums (C)": lambda: _core.table_first_bad_sum(ptrs, cnt, 0, rows),
-        "finite: sums (numpy per tensor)": numpy_sums,
         "finite: max|x| (C)": lambda: _core.table_absmax(ptrs, cnt, 0, rows),
         "randomk: draw": lambda: _core.randomk_indices(7, cnt, ks, idx),
         "randomk: compress": lambda: _core.randomk_compress(ptrs, off, cnt, 0, rows, e, e, 7, ks, vals, idx),
