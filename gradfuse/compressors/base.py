@@ -61,9 +61,9 @@ ROUNDING = 2.0 ** -23
 
 def settled_bound(c, p, terms=1, limit=0.0):
     """The residual bound of a compressor whose fused kernels, given values with every
-    |c| <= ``c``, write residuals and payloads that decode to at most ``c`` grown by
-    ``terms`` float32 roundings (a mean of |c| over a block, summed in float32, may exceed
-    the block's largest |c| by that much) or at most ``limit`` (a fixed decoded value:
+    ``|c|`` <= ``c``, write residuals and payloads that decode to at most ``c`` grown by
+    ``terms`` float32 roundings (a mean of ``|c|`` over a block, summed in float32, may exceed
+    the block's largest ``|c|`` by that much) or at most ``limit`` (a fixed decoded value:
     2-bit's absolute threshold): that bound, or None when ``p`` such payloads, or a sum of
     ``terms`` values, could come within a factor 256 of float32's largest value (then
     the step is not known not to overflow). ``Compressor.settle`` of the built-ins."""
@@ -305,7 +305,7 @@ class Compressor(ABC):
 
     def settle(self, c, p):
         """None (the default), or a bound on the residuals the fused kernels write when
-        every value they compress (c = g + e) has |c| <= ``c`` on each of ``p`` ranks,
+        every value they compress (c = g + e) has ``|c|`` <= ``c`` on each of ``p`` ranks,
         provided no payload, residual or decoded sum of p payloads can then overflow
         float32 (``settled_bound``). With it, a pipelined host step whose inputs are finite
         decodes each bucket as soon as its exchange completes, before the step's

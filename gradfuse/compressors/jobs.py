@@ -27,8 +27,8 @@ def pays(comp, algorithm, n, p, link, counts):
     return cost.predict(comp, algorithm, n, p, link, counts=counts) < cost.predict("none", "ring", n, p, link)
 
 
-#: a residual bound above this is measured again (one max |e| pass over that residual)
-#: before a step relies on it: bounds grow by each step's largest |g| and a few roundings,
+#: a residual bound above this is measured again (one max ``|e|`` pass over that residual)
+#: before a step relies on it: bounds grow by each step's largest ``|g|`` and a few roundings,
 #: so in a run whose values stay finite this happens rarely, if ever
 MEASURE_ABOVE = 2.0 ** 64
 
@@ -42,17 +42,17 @@ def _bounded(job):
 
 
 def _measured(st):
-    """max |e| of a single-buffered host residual (one pass), kept as its bound."""
+    """max ``|e|`` of a single-buffered host residual (one pass), kept as its bound."""
     e = st.cur
     st.bound = _core.table_absmax(np.array([e.ctypes.data], np.int64), np.array([e.size], np.int64), 0, 1)
     return st.bound
 
 
 def input_bound(jobs, comm, between=None):
-    """``(M, E)``, the same on every rank: M the largest |x| of every rank's compressed
+    """``(M, E)``, the same on every rank: M the largest ``|x|`` of every rank's compressed
     inputs (inf once one is not finite; then the step may be refused and single-buffered
     residuals take spares), E the largest bound on their residuals (inf when a job's
-    residual is not ``_bounded``). One max |x| per bucket (``table_absmax``, AVX2, one
+    residual is not ``_bounded``). One max ``|x|`` per bucket (``table_absmax``, AVX2, one
     call per bucket; ``between()`` after each: a pipelined step's exchanges in flight
     progress meanwhile) and one max-allreduce of the pair.
 
@@ -81,7 +81,7 @@ def input_bound(jobs, comm, between=None):
 
 
 def _reach(m, e):
-    """A bound on |fl(g + e)| for |g| <= m, |e| <= e (the add rounds once)."""
+    """A bound on ``|fl(g + e)|`` for ``|g|`` <= m, ``|e|`` <= e (the add rounds once)."""
     return (m + e) * (1.0 + 2.0 ** -23)
 
 
@@ -115,7 +115,7 @@ def plan_step(jobs, m, e, p):
 
 
 def settle_bounds(jobs, m):
-    """After a committed step whose inputs had |g| <= ``m`` (None: not known): each job's
+    """After a committed step whose inputs had ``|g|`` <= ``m`` (None: not known): each job's
     residual bound for the next step (inf where it cannot be bounded)."""
     for job in jobs.values():
         st = job.state
@@ -133,7 +133,7 @@ def halves_cannot_fail(jobs, comm):
     """Whether a step of 16-bit allreduce jobs (fp16/bf16, no residual, host) can run each
     bucket's cast, sum and decode at once, one bucket after the other, in one shared
     16-bit buffer: only if no rank's step could be refused, i.e. every input is finite
-    and no cast or sum can overflow. Agreed with one max-allreduce of M = max |x| over
+    and no cast or sum can overflow. Agreed with one max-allreduce of M = max ``|x|`` over
     every rank's inputs; a sum of p terms, each cast from at most M' (M / p when
     pre-divided) and each add rounded once, stays within p M' (1 + u)^(p + 1), so that must
     be below the format's largest value (u: its unit roundoff)."""
@@ -141,7 +141,7 @@ def halves_cannot_fail(jobs, comm):
                            for j in jobs.values()):
         return False
     m = 0.0
-    for job in jobs.values():          # max |x|, inf once any value is not finite (one call per bucket)
+    for job in jobs.values():          # max ``|x|``, inf once any value is not finite (one call per bucket)
         ptrs, _, cnt, lo, hi = job.src
         m = max(m, _core.table_absmax(ptrs, cnt, lo, hi))
         if m == float("inf"):

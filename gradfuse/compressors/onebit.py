@@ -172,7 +172,7 @@ class OneBit(Compressor):
         return True
 
     def settle(self, c, p):
-        """A block's scale is the mean of its |c| (lane sums of block / 32 values, a
-        5-level tree, a divide), so at most the block's largest |c| grown by that many
+        """A block's scale is the mean of its ``|c|`` (lane sums of block / 32 values, a
+        5-level tree, a divide), so at most the block's largest ``|c|`` grown by that many
         roundings; a residual c - scale (same sign) is at most the larger of the two."""
         return settled_bound(c, p, terms=self.block // 32 + 8)

@@ -1,4 +1,4 @@
-"""top-k sparsification: the k_i largest |c| of every tensor of a bucket, as values + indices.
+"""top-k sparsification: the k_i largest ``|c|`` of every tensor of a bucket, as values + indices.
 
 Each tensor selects its own k_i = min(n_i, max(1, ceil(ratio * n_i))) elements (0 for an
 empty tensor), as GRACE and DGC do, so a small-magnitude tensor is never starved by a

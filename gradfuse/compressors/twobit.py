@@ -86,7 +86,7 @@ class TwoBit(Compressor):
             return
         if not _number(f) or not np.isfinite(f) or not f >= 0:
             raise ValueError(f"option 'factor' must be a finite number >= 0 (threshold = factor * the "
-                             f"block's mean |c|), got {f!r}")
+                             f"block's mean ``|c|``), got {f!r}")
         o["factor"] = float(f)
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 32 or b % 32:
             raise ValueError(f"option 'block_size' must be a multiple of 32 and >= 32, got {b!r}")
@@ -165,11 +165,11 @@ class TwoBit(Compressor):
             K.twobit_block_decompress_sum(rows[0], rows[1], self.block, dst, off, cnt, lo, hi, divisor)
 
     def settle(self, c, p):
-        """Scaled format: a block's value is the mean |c| of its selected elements (the 1-bit
-        scale's lane and tree order), so at most their largest |c| grown by that many
+        """Scaled format: a block's value is the mean ``|c|`` of its selected elements (the 1-bit
+        scale's lane and tree order), so at most their largest ``|c|`` grown by that many
         roundings; a residual is c (unselected) or c - value (same sign). Absolute format:
         the decoded value is the threshold itself, and a residual c or c - threshold
-        (|c| >= threshold, same sign)."""
+        (``|c|`` >= threshold, same sign)."""
         if self.absolute:
             return settled_bound(c, p, limit=float(self.options["threshold"]))
         return settled_bound(c, p, terms=self.block // 32 + 8)
