@@ -3,8 +3,9 @@ method on every workload, and rank 0 writes the results as JSON for the driver
 (gradfuse/bench/network.py), which prints the tables.
 
 Per method: a fresh Pipeline (one at a time, so 8 ranks of ResNet-50 or BERT fit in
-memory), one warm-up step (plans, MPI connections; its result is checked where the
-method is exact), then ``rounds`` timed steps, each between two barriers. Reported: the
+memory), ``WARMUP`` warm-up steps (plans, MPI connections, buffers touched for the
+first time; the first one's result is checked where the method is exact), then
+``rounds`` timed steps, each between two barriers. Reported: the
 median over rounds of the slowest rank; the bytes ``Pipeline.stats.bytes_sent`` counts
 per step; and, where ``GRADFUSE_NET_IFACE`` names this host's interface (the emulated
 cluster sets it), the bytes that really left it per step (``tx_bytes`` of the interface,
@@ -22,6 +23,10 @@ import numpy as np
 from .sets import make_set, median_times, resnet50_shapes
 
 MB = 1e6
+#: untimed steps before the rounds: at 1 warm-up step, 1-bit's first 5 timed steps on the
+#: emulated 1 Gbit/s link ran 52 ms against 38-43 ms from 15 rounds (docs/benchmarks.md,
+#: "Settled steps")
+WARMUP = 3
 
 
 def bert_base_shapes():
@@ -165,12 +170,14 @@ def run(workloads, methods, rounds, out, with_horovod=True):
                 def fn(pipe=pipe, work=work):
                     pipe.allreduce_(work)
                 exact = "sum" if cname == "none" else None
-            fn()     # warm-up, then check what must be exact
+            fn()     # warm-up, then check what must be exact (the first step's result)
             if exact == "sum" and not all(np.array_equal(a, e) for a, e in zip(work, expected)):
                 raise SystemExit(f"{wname} {label}: wrong allreduce result on rank {rank}")
             if exact == "hvd32" and not all(np.allclose(nd.asnumpy(), e, rtol=1e-5, atol=1e-4)
                                             for nd, e in zip(nds, expected)):
                 raise SystemExit(f"{wname} {label}: wrong Horovod allreduce result on rank {rank}")
+            for _ in range(WARMUP - 1):
+                fn()
             sent0 = pipe.stats.bytes_sent if pipe else None
             tx0 = _tx(iface)
             t = median_times({label: fn}, rounds, sync=world.Barrier)[label]
