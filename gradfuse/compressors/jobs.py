@@ -8,6 +8,7 @@ import numpy as np
 
 from .. import _core
 from . import cost
+from .base import FLT_MAX, ROUNDING
 from .exchange import AllgatherJob, AllreduceJob, BucketTask, ring_bytes  # noqa: F401  (the step's one import)
 from .sparse_allreduce import SparseAllreduceJob
 from .twophase import TwoPhaseJob, twophase_chunk  # noqa: F401
@@ -48,6 +49,20 @@ def _measured(st):
     return st.bound
 
 
+def _absmax(jobs, between=None):
+    """max ``|x|`` over the jobs' inputs, one ``table_absmax`` call per bucket (``between()``
+    after each); inf, and no further bucket read, once a value is not finite."""
+    m = 0.0
+    for job in jobs.values():
+        ptrs, _, cnt, lo, hi = job.src
+        m = max(m, _core.table_absmax(ptrs, cnt, lo, hi))
+        if between is not None:
+            between()
+        if m == float("inf"):
+            break
+    return m
+
+
 def input_bound(jobs, comm, between=None):
     """``(M, E)``, the same on every rank: M the largest ``|x|`` of every rank's compressed
     inputs (inf once one is not finite; then the step may be refused and single-buffered
@@ -59,14 +74,7 @@ def input_bound(jobs, comm, between=None):
     M finite means every input is finite (single-buffered residuals are then updated in
     place); with E it also bounds every value the kernels compress, |g + e| <= M + E,
     which ``settled`` turns into "no value of this step can overflow"."""
-    m = 0.0
-    for job in jobs.values():
-        ptrs, _, cnt, lo, hi = job.src
-        m = max(m, _core.table_absmax(ptrs, cnt, lo, hi))
-        if between is not None:
-            between()
-        if m == float("inf"):
-            break
+    m = _absmax(jobs, between)
     e = 0.0
     if m < float("inf") and all(_bounded(j) for j in jobs.values()):
         for job in jobs.values():
@@ -82,7 +90,7 @@ def input_bound(jobs, comm, between=None):
 
 def _reach(m, e):
     """A bound on ``|fl(g + e)|`` for ``|g|`` <= m, ``|e|`` <= e (the add rounds once)."""
-    return (m + e) * (1.0 + 2.0 ** -23)
+    return (m + e) * (1.0 + ROUNDING)
 
 
 def settled(jobs, m, e, p):
@@ -97,7 +105,7 @@ def settled(jobs, m, e, p):
 #: with residuals that ``settled`` cannot bound, inputs this large (or not finite) make
 #: a step take spare residuals, as one that may overflow: a step refused then leaves
 #: them as they were (float32's largest value / 2^32)
-SPARE_ABOVE = float(np.finfo(np.float32).max) * 2.0 ** -32
+SPARE_ABOVE = FLT_MAX * 2.0 ** -32
 
 
 def plan_step(jobs, m, e, p):
@@ -140,13 +148,7 @@ def halves_cannot_fail(jobs, comm):
     if not jobs or not all(isinstance(j, AllreduceJob) and j.bk.device == "cpu" and not j.state.cur.size
                            for j in jobs.values()):
         return False
-    m = 0.0
-    for job in jobs.values():          # max ``|x|``, inf once any value is not finite (one call per bucket)
-        ptrs, _, cnt, lo, hi = job.src
-        m = max(m, _core.table_absmax(ptrs, cnt, lo, hi))
-        if m == float("inf"):
-            break
-    flags = np.array([m], np.float64)
+    flags = np.array([_absmax(jobs)], np.float64)
     out = np.empty_like(flags)
     comm.allreduce_op(flags, out, "max")
     p = comm.size

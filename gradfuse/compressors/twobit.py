@@ -86,7 +86,7 @@ class TwoBit(Compressor):
             return
         if not _number(f) or not np.isfinite(f) or not f >= 0:
             raise ValueError(f"option 'factor' must be a finite number >= 0 (threshold = factor * the "
-                             f"block's mean ``|c|``), got {f!r}")
+                             f"block's mean |c|), got {f!r}")
         o["factor"] = float(f)
         if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 32 or b % 32:
             raise ValueError(f"option 'block_size' must be a multiple of 32 and >= 32, got {b!r}")
