@@ -530,6 +530,9 @@ def test_residual_bounds_hold(world, name, opts):
     fresh = gradfuse.Pipeline(compress=name, fusion_threshold=THRESHOLD, **opts)
     fresh.load_state_dict(sd)
     fresh.allreduce_(grads_for(rank, 6))          # claims the restored residuals
+    for st in fresh.state.buckets.values():       # a restored bound, grown by a step, still holds
+        if st.cur.size and not st.server_cur.size:
+            assert np.abs(st.cur).max() <= st.bound < float("inf"), (name, "restored")
     again = gradfuse.Pipeline(compress=name, fusion_threshold=THRESHOLD, **opts)
     again.load_state_dict(sd)
     from gradfuse.compressors.state import BucketState
