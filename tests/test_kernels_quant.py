@@ -539,3 +539,56 @@ def test_property_tables(sizes, block, seed, special, scalar, p):
                 same(np.concatenate(dst), ref.twobit_decompress_sum(c2, 0.3, n, float(p)))
     finally:
         core.set_simd(force_scalar=False)
+
+
+def _offset_views(sizes, misalign):
+    """float32 outputs of ``sizes``: 16-byte aligned (the streamed path's condition) or, with
+    ``misalign``, 4 bytes past an aligned address (never streamed)."""
+    outs = []
+    for s in sizes:
+        raw = np.full(s + 8, 9.0, F32)
+        skip = (-raw.ctypes.data // 4) % 4 + (1 if misalign else 0)
+        outs.append(raw[skip:skip + s])
+    return outs
+
+
+@pytest.mark.parametrize("p", [1, 2, 3])
+@pytest.mark.parametrize("divisor", [1.0, 2.0, 3.0])
+@pytest.mark.parametrize("misalign", [False, True], ids=["aligned", "misaligned"])
+def test_streamed_decode_same_bits(path, p, divisor, misalign):
+    # tensors of at least set_stream_bytes() bytes are written with non-temporal stores
+    # (AVX2 path): the same bits as the plain stores and as the numpy twins, for every
+    # tensor of a table (short last blocks and words, odd sizes, an empty row), with the
+    # threshold at 0 (every aligned tensor streamed), at its default and never
+    sizes = [70001, 0, 5, 65536 + 32, 1000]          # 70001 floats: 273 KiB, above the default
+    n, block = sum(sizes), 512
+    rng = np.random.default_rng(p * 10 + int(divisor))
+    special = np.array([np.inf, -np.inf, np.nan, 0.0, -0.0, 1.4e-45, 3.4e38], F32)
+    scales = rng.standard_normal((p, ref.onebit_sizes(sizes, block)[1])).astype(F32)
+    scales[:, :len(special)] = special[:scales.shape[1]]
+    bits = rng.integers(0, 1 << 32, (p, ref.onebit_sizes(sizes, block)[0]), dtype=np.uint64).astype(np.uint32)
+    nw2, nb2 = ref.twobit_block_sizes(sizes, block)
+    codes = rng.integers(0, 1 << 32, (p, nw2), dtype=np.uint64).astype(np.uint32)
+    values = (rng.standard_normal((p, nb2)) * 3).astype(F32)
+    values[:, :len(special)] = special[:nb2]
+    want1 = ref.onebit_decompress_sum(bits, scales, block, n, divisor, sizes)
+    want2 = ref.twobit_block_decompress_sum(codes, values, block, n, divisor, sizes)
+    old = core.set_stream_bytes(None)
+    try:
+        for threshold in (0, None, 1 << 62):
+            core.set_stream_bytes(threshold)
+            dst = _offset_views(sizes, misalign)
+            ptrs, offsets, counts = table(dst)
+            with np.errstate(all="ignore"):
+                core.onebit_decompress_sum(bits, scales, block, ptrs, offsets, counts, 0, len(dst), divisor)
+            same(np.concatenate(dst), want1)
+            dst = _offset_views(sizes, misalign)
+            ptrs, offsets, counts = table(dst)
+            with np.errstate(all="ignore"):
+                core.twobit_block_decompress_sum(codes, values, block, ptrs, offsets, counts, 0, len(dst), divisor)
+            same(np.concatenate(dst), want2)
+    finally:
+        core.set_stream_bytes(old)
+    assert core.set_stream_bytes(None) == old
+    with pytest.raises(ValueError, match="nbytes must be >= 0"):
+        core.set_stream_bytes(-1)

@@ -5,6 +5,8 @@
 from libc.stdint cimport uint32_t
 
 cdef extern from "_quant.h" nogil:
+    int64_t gf_q_stream_bytes
+    int64_t GF_Q_STREAM_BYTES_DEFAULT
     int64_t gf_onebit_compress(const int64_t* ptrs, const int64_t* counts,
                                int64_t lo, int64_t hi, int64_t n,
                                const float* e_in, float* e_out, int64_t block,
@@ -23,6 +25,20 @@ cdef extern from "_quant.h" nogil:
 
 # build the 2-bit encoder's lookup table once, at import (not lazily inside nogil calls)
 gf_tb_init_spread()
+
+
+def set_stream_bytes(nbytes=None):
+    """Tensors of at least ``nbytes`` bytes are written by the 1-bit and 2-bit decoders
+    with non-temporal stores (the same values; docs/compressors.md, "Decoding"); None:
+    the default (256 KiB). Returns the previous setting. For the tests and the A/B
+    measurement (``scripts/decode_streamed.py``)."""
+    global gf_q_stream_bytes
+    cdef int64_t old = gf_q_stream_bytes
+    cdef int64_t v = GF_Q_STREAM_BYTES_DEFAULT if nbytes is None else int(nbytes)
+    if v < 0:
+        raise ValueError(f"set_stream_bytes: nbytes must be >= 0, got {nbytes!r}")
+    gf_q_stream_bytes = v
+    return old
 
 
 cdef int64_t _q_table_n(str name, const int64_t[::1] ptrs, const int64_t[::1] offsets,
