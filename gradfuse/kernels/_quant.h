@@ -324,25 +324,10 @@ static void gf_ob_decode_scalar(const uint32_t* bits, float s, int64_t cnt,
     }
 }
 
-/* acc[k] = acc[k] / (float)divisor; nothing when divisor == 1.0. For a power of two
- * whose reciprocal is exact, x * (1/f) is the same correctly rounded real number as
- * x / f, so the same bits (zeros, subnormals, inf and NaN included), and much cheaper. */
-static void gf_q_divide(float* acc, int64_t cnt, double divisor)
-{
-    if (divisor == 1.0) return;
-    float f = (float)divisor;
-    int ex;
-    float m = frexpf(f, &ex);
-    float r = 1.0f / f;
-    if ((m == 0.5f || m == -0.5f) && r != 0.0f && fabsf(r) < INFINITY && r * f == 1.0f) {
-        for (int64_t k = 0; k < cnt; k++) acc[k] = acc[k] * r;
-    } else {
-        for (int64_t k = 0; k < cnt; k++) acc[k] = acc[k] / f;
-    }
-}
-
-/* gf_q_divide as a mode for the fused decoders: 0 nothing (divisor 1), 1 multiply by *f
- * (the exact reciprocal of a power of two), 2 divide by *f; the same bits per element. */
+/* gf_q_divide as a mode: 0 nothing (divisor 1), 1 multiply by *f (the exact reciprocal
+ * of a power of two), 2 divide by *f. For a power of two whose reciprocal is exact,
+ * x * (1/f) is the same correctly rounded real number as x / f, so the same bits (zeros,
+ * subnormals, inf and NaN included), and much cheaper. */
 static int gf_q_divmode(double divisor, float* f)
 {
     if (divisor == 1.0) return 0;
@@ -358,10 +343,34 @@ static int gf_q_divmode(double divisor, float* f)
     return 2;
 }
 
+/* acc[k] = acc[k] / (float)divisor; nothing when divisor == 1.0 (gf_q_divmode). */
+static void gf_q_divide(float* acc, int64_t cnt, double divisor)
+{
+    float f = 1.0f;
+    int mode = gf_q_divmode(divisor, &f);
+    if (mode == 1) {
+        for (int64_t k = 0; k < cnt; k++) acc[k] = acc[k] * f;
+    } else if (mode == 2) {
+        for (int64_t k = 0; k < cnt; k++) acc[k] = acc[k] / f;
+    }
+}
+
 static inline float gf_q_divone(float x, int mode, float f)
 {
     return mode == 1 ? x * f : mode == 2 ? x / f : x;
 }
+
+/* A fused decoder's body BODY(mode, nt, p2) with constant arguments where it pays (p == 2:
+ * every division mode, streamed or not), else with the run-time mode. */
+#define GF_Q_DSUM_DISPATCH(BODY, p, mode, nt) do {                                        \
+        if ((p) == 2) {                                                                   \
+            if ((mode) == 1) { if (nt) BODY(1, 1, 1); else BODY(1, 0, 1); }              \
+            else if ((mode) == 0) { if (nt) BODY(0, 1, 1); else BODY(0, 0, 1); }         \
+            else { if (nt) BODY(2, 1, 1); else BODY(2, 0, 1); }                          \
+        } else {                                                                          \
+            if (nt) BODY(mode, 1, 0); else BODY(mode, 0, 0);                             \
+        }                                                                                 \
+    } while (0)
 
 #if GF_Q_HAVE_AVX2
 GF_Q_AVX2 static inline __m256 gf_q_div8(__m256 x, int mode, __m256 f)
@@ -420,13 +429,7 @@ GF_Q_AVX2 static void gf_ob_decode_sum_avx2(const uint32_t* bits, int64_t wstrid
                                             int mode, float f, int nt)
 {
 #define GF_OB_DSUM(M, N, P2) gf_ob_dsum_body(bits, wstride, sc, sstride, p, cnt, d, M, f, N, P2)
-    if (p == 2) {
-        if (mode == 1) { if (nt) GF_OB_DSUM(1, 1, 1); else GF_OB_DSUM(1, 0, 1); }
-        else if (mode == 0) { if (nt) GF_OB_DSUM(0, 1, 1); else GF_OB_DSUM(0, 0, 1); }
-        else { if (nt) GF_OB_DSUM(2, 1, 1); else GF_OB_DSUM(2, 0, 1); }
-    } else {
-        if (nt) GF_OB_DSUM(mode, 1, 0); else GF_OB_DSUM(mode, 0, 0);
-    }
+    GF_Q_DSUM_DISPATCH(GF_OB_DSUM, p, mode, nt);
 #undef GF_OB_DSUM
 }
 #endif

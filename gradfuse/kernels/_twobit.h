@@ -256,13 +256,7 @@ GF_Q_AVX2 static void gf_tbb_decode_sum_avx2(const uint32_t* codes, int64_t cstr
                                              int mode, float f, int nt)
 {
 #define GF_TBB_DSUM(M, N, P2) gf_tbb_dsum_body(codes, cstride, vals, vstride, p, cnt, d, M, f, N, P2)
-    if (p == 2) {
-        if (mode == 1) { if (nt) GF_TBB_DSUM(1, 1, 1); else GF_TBB_DSUM(1, 0, 1); }
-        else if (mode == 0) { if (nt) GF_TBB_DSUM(0, 1, 1); else GF_TBB_DSUM(0, 0, 1); }
-        else { if (nt) GF_TBB_DSUM(2, 1, 1); else GF_TBB_DSUM(2, 0, 1); }
-    } else {
-        if (nt) GF_TBB_DSUM(mode, 1, 0); else GF_TBB_DSUM(mode, 0, 0);
-    }
+    GF_Q_DSUM_DISPATCH(GF_TBB_DSUM, p, mode, nt);
 #undef GF_TBB_DSUM
 }
 #endif
