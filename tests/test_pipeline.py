@@ -85,6 +85,19 @@ def test_bad_input_errors_name_the_tensor(comm):
         pipe.allreduce([np.ones(1), np.ones(1)], names=["x", "x"])
     with pytest.raises(ValueError, match="got 1 names for 2 tensors"):
         pipe.allreduce([np.ones(1), np.ones(1)], names=["x"])
+    # a names tuple is checked once and remembered (fusion.tables.flatten): a bad tuple is
+    # refused every time, a good one is not re-checked, and a different tuple is checked
+    bad = ("x", "x")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="duplicate tensor names: 'x'"):
+            pipe.allreduce([np.ones(1), np.ones(1)], names=bad)
+    good = ("x", "y")
+    for _ in range(2):
+        assert [a.tolist() for a in pipe.allreduce([np.ones(1), np.ones(1)], names=good)] == [[1.0], [1.0]]
+    with pytest.raises(ValueError, match="got 2 names for 3 tensors"):
+        pipe.allreduce([np.ones(1)] * 3, names=good)
+    with pytest.raises(TypeError, match="tensor names must be str"):
+        pipe.allreduce([np.ones(1), np.ones(1)], names=("x", 1.5))
     with pytest.raises(TypeError, match="average=True needs a float dtype"):
         pipe.allreduce({"i": np.ones(2, np.int32)})
     ro = np.ones(3)

@@ -60,6 +60,11 @@ class Outputs:
 
 # --- argument shaping --------------------------------------------------------------
 _NAME_TYPES = {str, int}
+#: name tuples ``flatten`` has checked, by id (held, so an id is never reused while here): a
+#: binding that passes the same tuple every step (``gradfuse.mxnet``'s group names) skips
+#: the two passes over its names (2000 names: ~0.15 ms a call)
+_checked = {}
+_CHECKED_MAX = 64
 
 
 def flatten(grads, names):
@@ -76,9 +81,12 @@ def flatten(grads, names):
         objs = list(grads)
         if names is None:
             return objs, list(range(len(objs)))
+        given = names
         names = list(names)
         if len(names) != len(objs):
             raise ValueError(f"got {len(names)} names for {len(objs)} tensors")
+        if _checked.get(id(given)) is given:      # a tuple checked before (it cannot have changed)
+            return objs, names
         if not set(map(type, names)) <= _NAME_TYPES:      # one C pass; the loop names the culprit
             for n in names:
                 if not isinstance(n, (str, int)) or isinstance(n, bool):
@@ -90,6 +98,10 @@ def flatten(grads, names):
                     dups.append(n)
                 seen.add(n)
             raise ValueError(f"duplicate tensor names: {', '.join(repr(d) for d in dups)}")
+        if type(given) is tuple:
+            if len(_checked) >= _CHECKED_MAX:
+                _checked.clear()
+            _checked[id(given)] = given
         return objs, names
     raise TypeError(f"gradients must be a list, tuple or dict of arrays, got {type(grads).__name__}; "
                     f"wrap a single array in a list")

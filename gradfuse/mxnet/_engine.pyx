@@ -188,8 +188,9 @@ cdef class Op:
         self.op = new gf_op()
         self.op.n = handles.shape[0]
         self.op.n_read = n_read
+        self.op.handles.resize(handles.shape[0])
         for i in range(handles.shape[0]):
-            self.op.handles.push_back(<void*> <uintptr_t> handles[i])
+            self.op.handles[i] = <void*> <uintptr_t> handles[i]
         self.op.ptrs = &ptrs[0] if ptrs.shape[0] else NULL
         self.op.naive = naive
         self.op.reorder_only = reorder_only

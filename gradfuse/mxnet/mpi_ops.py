@@ -51,8 +51,9 @@ _name_cache = {}
 
 
 def _group_names(name, n):
-    """The names of a named group's tensors (``name.0``, ``name.1``, ...; kept for the next
-    call of the same group: 2000 f-strings a call are a good part of a call's own cost)."""
+    """The names of a named group's tensors (``name.0``, ``name.1``, ...), as a tuple kept for
+    the next call of the same group: 2000 f-strings a call are a good part of a call's own
+    cost, and ``fusion.tables.flatten`` checks a tuple it has seen before only once."""
     if name is None:
         return None
     if n == 1:
@@ -63,7 +64,7 @@ def _group_names(name, n):
         if len(_name_cache) >= 256:
             _name_cache.clear()
         got = _name_cache[key] = tuple(f"{name}.{i}" for i in range(n))
-    return list(got)
+    return got
 
 
 class AsyncHandle:
