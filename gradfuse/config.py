@@ -132,6 +132,14 @@ def cma():
     return env_bool("GRADFUSE_CMA", True)
 
 
+def mxnet_direct():
+    """Whether gradfuse.mxnet's engine callback may compute a known array's data pointer
+    from its storage's address (where MXNet's layout was checked at import,
+    ``gradfuse.mxnet.fence``): GRADFUSE_MXNET_DIRECT (0 or 1), default 1; 0 reads every
+    pointer through ``MXNDArrayGetData``."""
+    return env_bool("GRADFUSE_MXNET_DIRECT", True)
+
+
 def stall_warning_s():
     """Seconds before a waiting collective warns: GRADFUSE_STALL_WARNING_S, else
     HOROVOD_STALL_CHECK_TIME_SECONDS, else 60."""

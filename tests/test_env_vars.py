@@ -61,6 +61,11 @@ def test_cma_flag(value, monkeypatch):
     assert _outcome(config.cma, "GRADFUSE_CMA", value, monkeypatch) == FLAG[value]
 
 
+@pytest.mark.parametrize("value", sorted(FLAG))
+def test_mxnet_direct_flag(value, monkeypatch):
+    assert _outcome(config.mxnet_direct, "GRADFUSE_MXNET_DIRECT", value, monkeypatch) == FLAG[value]
+
+
 def test_every_variable_is_in_the_readme_table():
     """Every GRADFUSE_* name the package reads (not the C headers' include guards) has a
     row in README.md's table of environment variables."""

@@ -75,3 +75,72 @@ def test_results_stay_right_while_lists_change():
         hvd.grouped_allreduce_(nds, op=hvd.Sum, name=f"scan{step % 2}")
         for nd, w in zip(nds, want):
             np.testing.assert_array_equal(nd.asnumpy(), w)
+
+
+def _mx_pointer(nd):
+    import ctypes
+    p = ctypes.c_void_p()
+    mx.base.check_call(mx.base._LIB.MXNDArrayGetData(nd.handle, ctypes.byref(p)))
+    return p.value or 0
+
+
+def _start(tables):
+    """One in-place engine operation over ``tables``, run to its start: the data pointers
+    its callback read, then completed."""
+    op = fence.new_op(tables, 0)
+    fence.push(op, "test.direct")
+    assert op.wait_ready() is None
+    got = tables.ptrs.copy()
+    op.complete(None)
+    mx.nd.waitall()
+    return got
+
+
+@pytest.fixture
+def direct_on():
+    from gradfuse.mxnet import _engine
+    if not fence.DEFERRED:
+        pytest.skip("pointers are read at call time on this MXNet build")
+    was = _engine.direct()
+    _engine.set_direct(True)
+    yield _engine
+    _engine.set_direct(was)
+
+
+def test_direct_pointers_are_the_ones_mxnet_gives(direct_on):
+    """The start callback computes a known array's pointer from its storage's address and
+    the offset it learned at an earlier call: the same pointers as MXNDArrayGetData, for
+    fresh arrays, a lazily allocated one, views at an offset, a reshape and float16, call
+    after call, and for a list whose first array is a new one at every call."""
+    assert fence._layout_holds()            # MXNet 1.9.1's layout, as fence.py checks it
+    base = mx.nd.array(np.arange(60, dtype=np.float32).reshape(6, 10))
+    nds = [base, mx.nd.empty((4, 3)), mx.nd.ones(9, dtype="float16"), mx.nd.zeros(1)]
+    views = [base[1:3], base[4:].reshape((2, 5, 2))]      # offsets 40 and 160 bytes into base
+    for arrays in (nds, views):
+        for call in range(3):
+            tables = fence.Tables(arrays)
+            assert (tables.memo is not None) and (call == 0 or tables.memo.any())
+            got = _start(tables)
+            assert got.tolist() == [_mx_pointer(nd) for nd in arrays], (arrays is views, call)
+    assert direct_on.direct()
+    # a list whose first array is another object at each call: scanned afresh, learned afresh
+    for call in range(3):
+        arrays = [mx.nd.ones(5 + call)] + nds[1:]
+        assert _start(fence.Tables(arrays)).tolist() == [_mx_pointer(nd) for nd in arrays]
+
+
+def test_a_pointer_that_disagrees_turns_direct_pointers_off(direct_on):
+    """The callback reads the first known array both ways at every call: when they
+    disagree (here: a corrupted offset, as a different MXNet layout would give), the call's
+    pointers come from MXNDArrayGetData, all of them, and direct pointers stay off."""
+    arrays = [mx.nd.ones(7), mx.nd.ones(300), mx.nd.ones(2)]
+    tables = fence.Tables(arrays)
+    _start(tables)
+    assert tables.memo.any()
+    tables = fence.Tables(arrays)
+    tables.memo[len(arrays)] += 64             # array 0's offset
+    got = _start(tables)
+    assert got.tolist() == [_mx_pointer(nd) for nd in arrays]
+    assert not direct_on.direct()
+    got = _start(fence.Tables(arrays))
+    assert got.tolist() == [_mx_pointer(nd) for nd in arrays]

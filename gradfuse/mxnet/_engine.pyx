@@ -42,6 +42,8 @@ cdef extern from "_engine_op.h" nogil:
         gf_chunk_query_t chunk_is_onednn
         gf_chunk_reorder_t chunk_reorder
     gf_api_t gf_api
+    void gf_set_direct(cbool)
+    cbool gf_get_direct()
     cppclass gf_op:
         int n
         int n_read
@@ -49,6 +51,7 @@ cdef extern from "_engine_op.h" nogil:
         vector[void*] deps
         int n_dep_read
         int64_t* ptrs
+        int64_t* memo
         cbool naive
         cbool reorder_only
         int state
@@ -81,7 +84,7 @@ def configure(int64_t get_data, int64_t get_dtype, int64_t get_stype, int64_t ge
               int64_t get_shape, int64_t last_error, int64_t push, int64_t chunk_is_onednn=0,
               int64_t chunk_reorder=0):
     """Hand over the addresses of MXNet's C functions (and, on oneDNN builds, the two
-    chunk methods; 0 where absent)."""
+    chunk methods; 0 where absent). Direct pointers (``set_direct``) start off."""
     global _configured
     gf_api.get_data = <gf_get_data_t> <uintptr_t> get_data
     gf_api.get_dtype = <gf_get_int_t> <uintptr_t> get_dtype
@@ -96,7 +99,21 @@ def configure(int64_t get_data, int64_t get_dtype, int64_t get_stype, int64_t ge
     else:
         gf_api.chunk_is_onednn = NULL
         gf_api.chunk_reorder = NULL
+    gf_set_direct(False)
     _configured = True
+
+
+def set_direct(bint on):
+    """Let the start callback compute the data pointer of an array it has seen before in
+    the same storage (the storage's address plus the array's offset, ``_engine_op.h``);
+    only once the caller has checked MXNet's layout. Off again by itself if a call's check
+    ever disagrees."""
+    gf_set_direct(on)
+
+
+def direct():
+    """Whether direct pointers are on."""
+    return gf_get_direct()
 
 
 cdef inline void* _handle_of(object nd) except? NULL:
@@ -174,17 +191,21 @@ cdef class Op:
     ``push(name)`` hands it to the engine and returns at once (under NaiveEngine only
     after ``complete``). The data pointers, written by the engine's start callback, are
     ``ptrs`` once ``wait_ready()`` has returned. The Python object keeps the NDArrays
-    (``keep``) and the tables alive until the operation completes.
+    (``keep``) and the tables alive until the operation completes. ``memo`` (int64,
+    two words per array, kept by the caller across calls with the same arrays): where
+    the callback learns each array's storage and offset, for ``set_direct``.
     """
     cdef gf_op* op
-    cdef readonly object ptrs, keep
+    cdef readonly object ptrs, keep, memo
     cdef readonly bint pushed
 
     def __cinit__(self, int64_t[::1] handles, int n_read, int64_t[::1] ptrs, keep, bint naive,
-                  bint reorder_only=False):
+                  bint reorder_only=False, int64_t[::1] memo=None):
         cdef Py_ssize_t i
         if handles.shape[0] > ptrs.shape[0] or n_read > handles.shape[0]:
             raise ValueError("Op: bad tables")
+        if memo is not None and memo.shape[0] != 2 * handles.shape[0]:
+            raise ValueError("Op: memo must hold two words per array")
         self.op = new gf_op()
         self.op.n = handles.shape[0]
         self.op.n_read = n_read
@@ -192,10 +213,12 @@ cdef class Op:
         for i in range(handles.shape[0]):
             self.op.handles[i] = <void*> <uintptr_t> handles[i]
         self.op.ptrs = &ptrs[0] if ptrs.shape[0] else NULL
+        self.op.memo = &memo[0] if memo is not None and memo.shape[0] else NULL
         self.op.naive = naive
         self.op.reorder_only = reorder_only
         gf_set_deps(self.op)      # each storage once: MXNet's engine given a variable twice waits for itself
         self.ptrs, self.keep = ptrs.base, keep
+        self.memo = memo.base if memo is not None else None
         self.pushed = False
 
     def __dealloc__(self):
