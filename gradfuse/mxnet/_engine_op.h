@@ -227,6 +227,7 @@ static void gf_start(void *rctx, void *on_complete, void *param) {
       if (rc == 0) {
         gf_api.direct.store(false);          // not the layout fence.py checked: never again,
         for (int j = 0; j < i; ++j) {        // and this call's earlier pointers the slow way
+          if (j < op->n_read && gf_is_onednn(op->handles[j])) continue;     // refused above (ptrs 0)
           if (gf_api.get_data(op->handles[j], &r) != 0 && err.empty()) err = gf_api.last_error();
           op->ptrs[j] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(r));
         }
