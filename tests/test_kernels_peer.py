@@ -205,3 +205,22 @@ def test_tables_may_be_slices_of_a_wider_table():
             assert np.array_equal(got, w)
     with pytest.raises(ValueError, match="contiguous int64"):
         _core.peer_gather(pids, 0, wide[:, 2:8:2], counts, 2, cuts)
+
+
+def test_pieces_are_an_eighth_of_the_l2_cache_within_bounds(tmp_path):
+    """``cma.PIECE_BYTES``: an eighth of the level-2 cache (sysfs), 64 KiB to 1 MiB, on
+    64-byte multiples; 256 KiB where the cache size is unknown."""
+    assert cma._piece_bytes(0) == 256 << 10
+    assert cma._piece_bytes(2 << 20) == 256 << 10
+    assert cma._piece_bytes(1280 << 10) == 160 << 10
+    assert cma._piece_bytes(256 << 10) == 64 << 10
+    assert cma._piece_bytes(64 << 20) == 1 << 20
+    assert cma.PIECE_BYTES % 64 == 0 and (64 << 10) <= cma.PIECE_BYTES <= (1 << 20)
+    # the sysfs layout: index0..3, each with its level and size
+    for i, (level, size) in enumerate((("1", "48K"), ("1", "32K"), ("2", "2048K"), ("3", "300M"))):
+        d = tmp_path / f"index{i}"
+        d.mkdir()
+        (d / "level").write_text(level + "\n")
+        (d / "size").write_text(size + "\n")
+    assert cma._l2_bytes(str(tmp_path)) == 2 << 20
+    assert cma._l2_bytes(str(tmp_path / "nothing")) == 0

@@ -43,10 +43,38 @@ import numpy as np
 from .. import _core
 from ..errors import GradfuseError
 
+def _l2_bytes(root="/sys/devices/system/cpu/cpu0/cache"):
+    """This machine's level-2 cache per core, in bytes (sysfs), or 0 where unknown."""
+    try:
+        for idx in sorted(os.listdir(root)):
+            d = os.path.join(root, idx)
+            with open(os.path.join(d, "level")) as f:
+                if f.read().strip() != "2":
+                    continue
+            with open(os.path.join(d, "size")) as f:
+                text = f.read().strip().upper()
+            mult = {"K": 1 << 10, "M": 1 << 20}.get(text[-1:], 1)
+            return int(text.rstrip("KM")) * mult
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def _piece_bytes(l2):
+    """An eighth of the level-2 cache, between 64 KiB and 1 MiB (256 KiB where unknown):
+    the peer's values of a piece and this rank's own are then summed from the core's cache."""
+    if l2 <= 0:
+        return 256 << 10
+    return min(1 << 20, max(64 << 10, l2 // 8 // _ALIGN * _ALIGN))
+
+
+_ALIGN = 64           # stripe boundaries on 64-byte multiples of the elements
 #: per-rank scratch slot for the peers' values of one piece (bytes): each process_vm_readv
-#: call costs ~5 us and a page walk of the peer's memory, so pieces are large, yet small
-#: enough to be summed from the cache (measured: docs/benchmarks.md, issue 15)
-PIECE_BYTES = 1 << 20
+#: call costs ~5 us and a page walk of the peer's memory, so pieces are not tiny, but they
+#: are summed from the core's own cache only while a piece and the peer's copy of it fit
+#: there: with a 2 MiB L2, 256 KiB pieces summed ResNet-50's 102 MB on 2 ranks in 15-20 ms,
+#: 1 MiB pieces in 22-26 ms (docs/benchmarks.md, issue 15, "Pieces the size of the cache")
+PIECE_BYTES = _piece_bytes(_l2_bytes())
 #: the stripes each rank sums are about this long (bytes), taken from the whole of a call's
 #: tensors in turn: the small tensors of a gradient list come first and cost more per byte
 #: than the large ones (4 KiB pages, one row each), so contiguous halves left one rank
@@ -55,7 +83,6 @@ STRIPE_BYTES = 2 << 20
 #: below this many bytes in a call, the MPI library's allreduce (a few microseconds of
 #: latency) beats the address exchange and the two fences
 MIN_BYTES = 64 << 10
-_ALIGN = 64           # stripe boundaries on 64-byte multiples of the elements
 _TOKEN = 64
 
 
