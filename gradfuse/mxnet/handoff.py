@@ -176,7 +176,10 @@ def check(tables, label, names, reduce, lo=0, hi=None):
     """The local checks of arrays ``lo..hi-1``: a TypeError/ValueError naming the tensor, or None."""
     hi = tables.n if hi is None else hi
     mask = ~0 if reduce else ~fence.NOT_REDUCIBLE
-    for i in np.flatnonzero(tables.flags[lo:hi] & mask) + lo:      # usually none: one numpy pass
+    flags = tables.flags[lo:hi]
+    if not flags.any():                 # the usual case: one pass, no array made
+        return None
+    for i in np.flatnonzero(flags & mask) + lo:
         i = int(i)
         f = int(tables.flags[i])
         name = names[i - lo] if names else f"tensor{i - lo}"
