@@ -311,8 +311,7 @@ class Pipeline:
     def _entry(self, inputs):
         """The cached plan of these inputs' signature and names (built on a miss)."""
         bk = self._backend(inputs.device)
-        names_key = inputs.names_key if inputs.names_key is not None else tuple(inputs.names)
-        key = (inputs.sig, names_key, bk.device, bk.device_id)
+        key = (inputs.sig, tuple(inputs.names), bk.device, bk.device_id)
         self._calls += 1
         entry = self._plans.get(key)
         if entry is not None:

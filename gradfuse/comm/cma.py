@@ -43,6 +43,9 @@ import numpy as np
 from .. import _core
 from ..errors import GradfuseError
 
+_ALIGN = 64           # stripe boundaries on 64-byte multiples of the elements
+
+
 def _l2_bytes(root="/sys/devices/system/cpu/cpu0/cache"):
     """This machine's level-2 cache per core, in bytes (sysfs), or 0 where unknown."""
     try:
@@ -68,7 +71,6 @@ def _piece_bytes(l2):
     return min(1 << 20, max(64 << 10, l2 // 8 // _ALIGN * _ALIGN))
 
 
-_ALIGN = 64           # stripe boundaries on 64-byte multiples of the elements
 #: per-rank scratch slot for the peers' values of one piece (bytes): each process_vm_readv
 #: call costs ~5 us and a page walk of the peer's memory, so pieces are not tiny, but they
 #: are summed from the core's own cache only while a piece and the peer's copy of it fit

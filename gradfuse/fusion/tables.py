@@ -39,11 +39,10 @@ from .plan import parse_signature
 class Inputs:
     """The inputs of one call: objects, names, and the tables the plan is keyed by."""
 
-    __slots__ = ("objs", "names", "sig", "ptrs", "nbytes", "device", "xp", "deferred", "names_key")
+    __slots__ = ("objs", "names", "sig", "ptrs", "nbytes", "device", "xp", "deferred")
 
-    def __init__(self, objs, names, sig, ptrs, nbytes, device=None, xp=np, deferred=None, names_key=None):
+    def __init__(self, objs, names, sig, ptrs, nbytes, device=None, xp=np, deferred=None):
         self.objs, self.names = objs, names
-        self.names_key = names_key  # the names as a tuple the caller passed (else None): the plan key's
         self.sig, self.ptrs, self.nbytes = sig, ptrs, nbytes
         self.device = device        # None on the host, else the CUDA device id
         self.xp = xp                # numpy, or cupy for GPU tensors
@@ -399,8 +398,9 @@ def read_inputs(grads, names, writable):
         if names is not None:
             raise TypeError("names= cannot be combined with a Deferred (it carries its names)")
         objs, names = flatten([None] * len(grads.names), grads.names)
-        key = grads.names if type(grads.names) is tuple else None
-        return Inputs(objs, names, grads.sig, grads.ptrs, grads.nbytes, deferred=grads, names_key=key)
+        if type(grads.names) is tuple:
+            names = grads.names     # checked; the plan key is then this very tuple (no copy)
+        return Inputs(objs, names, grads.sig, grads.ptrs, grads.nbytes, deferred=grads)
     objs, names = flatten(grads, names)
     if objs and on_device(objs[0]):
         cp = _cupy_for(names[0])

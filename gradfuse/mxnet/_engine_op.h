@@ -96,8 +96,10 @@ struct gf_op {
 // An NDArray's storage (its first member is the shared_ptr<Chunk> that holds the engine
 // variable): arrays that share it (the same array twice, views, reshapes) share one
 // variable, and MXNet's engine, given one variable twice, waits for itself.
+static inline void *gf_chunk_ptr(void *handle) { return *static_cast<void *const *>(handle); }
+
 static inline void *gf_chunk_of(void *handle) {
-  void *chunk = *static_cast<void *const *>(handle);
+  void *chunk = gf_chunk_ptr(handle);
   return chunk != nullptr ? chunk : handle;
 }
 
@@ -169,7 +171,7 @@ static void gf_engine_deleter(void *param) {
 
 static inline bool gf_is_onednn(void *handle) {
   if (gf_api.chunk_is_onednn == nullptr) return false;
-  void *chunk = *static_cast<void *const *>(handle);
+  void *chunk = gf_chunk_ptr(handle);
   return chunk != nullptr && gf_api.chunk_is_onednn(chunk);
 }
 
@@ -181,7 +183,7 @@ static void gf_start(void *rctx, void *on_complete, void *param) {
   std::string err;
   if (op->reorder_only) {     // every array is a write dependency here
     for (int i = 0; i < op->n; ++i)
-      if (gf_is_onednn(op->handles[i])) gf_api.chunk_reorder(*static_cast<void *const *>(op->handles[i]));
+      if (gf_is_onednn(op->handles[i])) gf_api.chunk_reorder(gf_chunk_ptr(op->handles[i]));
     {
       std::lock_guard<std::mutex> lk(op->mu);
       op->state = GF_DONE;      // the Python side may let go of the arrays now
@@ -195,16 +197,16 @@ static void gf_start(void *rctx, void *on_complete, void *param) {
     void *p = nullptr;
     if (gf_is_onednn(h)) {
       if (i >= op->n_read) {
-        gf_api.chunk_reorder(*static_cast<void *const *>(h));
-      } else if (err.empty()) {
-        err = "ValueError: input " + std::to_string(i) + " changed to a oneDNN layout after the call";
+        gf_api.chunk_reorder(gf_chunk_ptr(h));
+      } else {            // (never MXNDArrayGetData: it would wait on the engine from inside it)
+        if (err.empty()) err = "ValueError: input " + std::to_string(i) + " changed to a oneDNN layout after the call";
         op->ptrs[i] = 0;
         continue;
       }
     }
     // MXNDArrayGetData costs ~140 ns an array (2000 arrays: 0.28 ms a call); an array seen
     // before in the same storage is its storage's address plus the offset it had then
-    void *chunk = *static_cast<void *const *>(h);
+    void *chunk = gf_chunk_ptr(h);
     char *base = chunk != nullptr ? *static_cast<char *const *>(chunk) : nullptr;
     int64_t *memo = op->memo;
     // (relaxed atomics: two operations that only read the same arrays may start at once,
@@ -224,13 +226,10 @@ static void gf_start(void *rctx, void *on_complete, void *param) {
         op->ptrs[i] = reinterpret_cast<int64_t>(q);
         continue;
       }
-      if (rc == 0) {
-        gf_api.direct.store(false);          // not the layout fence.py checked: never again,
-        for (int j = 0; j < i; ++j) {        // and this call's earlier pointers the slow way
-          if (j < op->n_read && gf_is_onednn(op->handles[j])) continue;     // refused above (ptrs 0)
-          if (gf_api.get_data(op->handles[j], &r) != 0 && err.empty()) err = gf_api.last_error();
-          op->ptrs[j] = static_cast<int64_t>(reinterpret_cast<uintptr_t>(r));
-        }
+      if (rc == 0) {                         // not the layout fence.py checked: never again, and
+        gf_api.direct.store(false);          // this call's pointers from the start, the slow way
+        i = -1;
+        continue;
       }
     }
     if (gf_api.get_data(h, &p) != 0 && err.empty()) err = gf_api.last_error();
