@@ -228,7 +228,10 @@ class Step:
                 whether the step is settled (cannot be refused)."""
                 if not any(j.state.in_place for j in jobs.values()):
                     return False
-                m, e = input_bound(jobs, comm, between)
+                rec = _tl.recorder()
+                spans = None if rec is None else (
+                    lambda part, t0, t1: rec("verdict", "allreduce", (), t0, t1, part=part))
+                m, e = input_bound(jobs, comm, between, spans)
                 bound.append(m)
                 in_place, sure = plan_step(jobs, m, e, comm.size)
                 if not in_place:

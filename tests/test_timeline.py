@@ -58,9 +58,17 @@ def test_every_stage_of_every_bucket_is_on_its_own_track(tmp_path, compress, opt
     trace = _record(tmp_path / "tl.json", pipe, _grads())
     assert_nested(trace)
     names = track_names(trace)
-    assert sorted(set(names.values())) == sorted({"negotiate", *stages} | ({"exchange"} if compress == "none" else set()))
+    feedback = compress not in ("none", "fp16", "bf16")        # residuals: the step's verdict
+    assert sorted(set(names.values())) == sorted({"negotiate", *stages} | ({"exchange"} if compress == "none" else set())
+                                                 | ({"verdict"} if feedback else set()))
     counts = stage_counts(trace)
     assert counts[("negotiate", None)] == STEPS
+    verdict = sorted((e for e in spans(trace) if e["cat"] == "verdict"), key=lambda e: e["ts"])
+    # once a step: the pass over the inputs, then the allreduce that agrees on its bound
+    assert [e["args"]["part"] for e in verdict] == ["max |x|", "agree"] * (STEPS if feedback else 0)
+    for a, b in zip(verdict[::2], verdict[1::2]):
+        assert a["name"] == b["name"] == "verdict" and a["ts"] + a["dur"] <= b["ts"] + 0.002
+        assert a["args"]["op"] == "allreduce"
     plan = next(iter(pipe._plans.values())).plan
     packed = [b.index for b in plan.buckets if not b.direct]
     assert len(packed) >= 3
@@ -170,7 +178,7 @@ def test_gradfuse_timeline_env_writes_the_file_at_exit(tmp_path):
     assert r.returncode == 0, r.stderr
     trace = load_trace(path)
     assert_nested(trace)
-    assert {n for n in track_names(trace).values()} == {"negotiate", "compress", "exchange", "decompress"}
+    assert {n for n in track_names(trace).values()} == {"negotiate", "verdict", "compress", "exchange", "decompress"}
 
 
 def test_bad_gradfuse_timeline_fails_init_naming_it(monkeypatch, tmp_path):

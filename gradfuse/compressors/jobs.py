@@ -4,6 +4,8 @@ Each algorithm lives in its own module (``exchange``: allgather and the 16-bit a
 ``twophase``: the two-phase compressed allreduce; ``sparse_allreduce``: random-k's values
 summed at the shared positions); a new collective adds its class to ``JOBS``.
 """
+import time
+
 import numpy as np
 
 from .. import _core
@@ -63,7 +65,7 @@ def _absmax(jobs, between=None):
     return m
 
 
-def input_bound(jobs, comm, between=None):
+def input_bound(jobs, comm, between=None, spans=None):
     """``(M, E)``, the same on every rank: M the largest ``|x|`` of every rank's compressed
     inputs (inf once one is not finite; then the step may be refused and single-buffered
     residuals take spares), E the largest bound on their residuals (inf when a job's
@@ -73,7 +75,10 @@ def input_bound(jobs, comm, between=None):
 
     M finite means every input is finite (single-buffered residuals are then updated in
     place); with E it also bounds every value the kernels compress, |g + e| <= M + E,
-    which ``settled`` turns into "no value of this step can overflow"."""
+    which ``settled`` turns into "no value of this step can overflow". ``spans(part, t0,
+    t1)``, when given, hears of the two parts' times (``time.perf_counter``): ``"max |x|"``
+    (the pass, with any residual bound measured again) and ``"agree"`` (the allreduce)."""
+    t0 = time.perf_counter() if spans else 0.0
     m = _absmax(jobs, between)
     e = 0.0
     if m < float("inf") and all(_bounded(j) for j in jobs.values()):
@@ -84,7 +89,12 @@ def input_bound(jobs, comm, between=None):
         e = float("inf")
     flags = np.array([m, e], np.float64)
     out = np.empty_like(flags)
+    if spans:
+        t1 = time.perf_counter()
+        spans("max |x|", t0, t1)
     comm.allreduce_op(flags, out, "max")
+    if spans:
+        spans("agree", t1, time.perf_counter())
     return float(out[0]), float(out[1])
 
 

@@ -11,8 +11,10 @@ A **record** is one span of work: ``(stage, op, tensors, t0, t1, tid, args)``.
   data stages (``gradfuse/step.py``): ``"pack"``, ``"compress"``, ``"exchange"`` (the
   bucket's or tensor's MPI/NCCL collective: an uncompressed allreduce, a compressor's
   allgather, 16-bit allreduce or two-phase exchange, a data-movement collective's MPI
-  call), ``"decompress"`` and ``"unpack"``. ``"reduce"`` and ``"decode"`` are accepted as
-  older names of ``"exchange"`` and ``"decompress"``;
+  call), ``"decompress"`` and ``"unpack"``; ``"verdict"``, a compressed step's agreement
+  on its inputs (``args["part"]``: ``"max |x|"``, the pass over them, or ``"agree"``, the
+  max-allreduce of the ranks' bounds; ``gradfuse.compressors.jobs``). ``"reduce"`` and
+  ``"decode"`` are accepted as older names of ``"exchange"`` and ``"decompress"``;
 * ``tensors``: the names the span covers (a bucket's span names its tensors);
 * ``args``: a few JSON-able values (``bucket`` index, ``bytes``, ``algorithm``, ...).
 
@@ -49,7 +51,7 @@ import os
 import threading
 import time
 
-STAGES = ("call", "op", "negotiate", "pack", "compress", "exchange", "decompress", "unpack")
+STAGES = ("call", "op", "negotiate", "pack", "compress", "exchange", "decompress", "unpack", "verdict")
 ALIASES = {"reduce": "exchange", "decode": "decompress"}
 FLUSH_RECORDS = 4096          # a streaming sink writes this many records at a time
 

@@ -1,0 +1,152 @@
+#!/usr/bin/env python
+"""Where a link-bound compressed step's time goes beyond its wire time (issue 16, "close to
+the bound"), from the step's own timeline. On the emulated cluster of docs/network.md, as
+root:
+
+    scripts/emu_cluster.py --hosts 2 --link 300mbit -- $PWD/.venv/bin/python \\
+        scripts/link_idle.py --link 300mbit --steps 8 1bit 2bit
+
+ResNet-50's gradients, in-place ``allreduce_`` steps of a ``Pipeline`` at its defaults
+(pipelined exchange groups), 5 untimed steps, then ``--steps`` timed ones with the
+timeline on (``gradfuse.runtime.timeline``, the spans ``GRADFUSE_TIMELINE`` writes). Rank
+0 splits each timed step, from its spans, into
+
+* *before the first post*: the step's start until its first exchange group is posted
+  (negotiation and the compression of the first group);
+* *link idle*: the gaps between exchange spans (a group's exchange span runs from its post,
+  or from the previous group's completion when it was posted earlier, to its completion:
+  where one span ends before the next begins, no group of this rank was in flight);
+* *exchanges*: the union of the exchange spans (some group in flight), beside the wire
+  time of the step's bytes at the link rate (``Pipeline.stats.bytes_sent``, per rank and
+  step) and their ratio, the rate the link reached while it had work;
+* *after the last exchange*: decoding what arrived last, until the step returns;
+* beside them, the two parts of the step's verdict (stage ``"verdict"``): the max |x| pass
+  over the inputs (while the early groups are on the link) and the max-allreduce that
+  agrees on it;
+
+and prints the medians over the timed steps. The step is link-bound where the exchanges
+cover most of it: then everything but their union is time the link had nothing to do.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+RATES = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
+
+
+def link_bps(text):
+    """Bits per second of a ``tc``-style rate (``300mbit``, ``1gbit``)."""
+    for unit, mult in RATES.items():
+        if text.endswith(unit):
+            return float(text[:-len(unit)]) * mult
+    raise SystemExit(f"--link: expected a rate such as 300mbit or 1gbit, got {text!r}")
+
+
+def split_steps(events):
+    """The complete spans of a trace, cut into steps at each negotiation span (one per
+    ``allreduce_`` call): ``[[span, ...], ...]`` in time order, times in ms."""
+    spans = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"])
+    starts = [e["ts"] for e in spans if e.get("cat") == "negotiate"]
+    steps = []
+    for i, t0 in enumerate(starts):
+        t1 = starts[i + 1] if i + 1 < len(starts) else float("inf")
+        steps.append([e for e in spans if t0 <= e["ts"] < t1])
+    return steps
+
+
+def account(step):
+    """``{"step", "before", "idle", "exchanges", "after"}`` of one step's spans (ms)."""
+    t0 = step[0]["ts"]
+    end = max(e["ts"] + e["dur"] for e in step)
+    ex = sorted({(e["ts"], e["ts"] + e["dur"]) for e in step if e.get("cat") == "exchange"})
+    if not ex:
+        raise SystemExit("no exchange spans in a step: is the pipeline compressed and pipelined?")
+    union, idle, lo, hi = 0.0, 0.0, ex[0][0], ex[0][1]
+    for a, b in ex[1:]:
+        if a > hi:
+            union, idle, lo = union + (hi - lo), idle + (a - hi), a
+        hi = max(hi, b)
+    union += hi - lo
+    part = {p: sum(e["dur"] for e in step if e.get("cat") == "verdict" and e["args"].get("part") == p)
+            for p in ("max |x|", "agree")}
+    ms = 1e-3
+    return {"step": (end - t0) * ms, "before": (ex[0][0] - t0) * ms, "idle": idle * ms,
+            "exchanges": union * ms, "after": (end - hi) * ms,
+            "pass": part["max |x|"] * ms, "agree": part["agree"] * ms}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("methods", nargs="+", help="compressors (Pipeline's compress=)")
+    ap.add_argument("--link", required=True, help="the hosts' link rate, as given to emu_cluster.py")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--early-share", type=float, default=None,
+                    help="grouped.EARLY_SHARE for this run (default: as shipped)")
+    a = ap.parse_args()
+    bps = link_bps(a.link)
+
+    from mpi4py import MPI
+
+    import gradfuse
+    from gradfuse.bench.sets import make_set, resnet50_shapes
+    from gradfuse.runtime import timeline
+
+    gradfuse.init()
+    if a.early_share is not None:
+        from gradfuse import grouped
+        grouped.EARLY_SHARE = a.early_share
+    world = MPI.COMM_WORLD
+    me = world.Get_rank()
+    grads = make_set(resnet50_shapes(), 1 + me)
+    tmp = tempfile.mkdtemp(prefix="gf-link-idle-") if me == 0 else None
+    tmp = world.bcast(tmp, root=0)
+    if me == 0:
+        print(f"{world.Get_size()} ranks, link {a.link}, ResNet-50 gradients, {a.steps} timed steps "
+              f"(ms, rank 0, medians over the steps)\n")
+        print("| method | step | before the first post | link idle | exchanges | wire time | "
+              "wire / exchanges | after the last exchange | verdict: max abs pass | verdict: agree |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for method in a.methods:
+        pipe = gradfuse.Pipeline(compress=method)
+        for _ in range(5):
+            pipe.allreduce_(grads)
+        path = os.path.join(tmp, f"{method}-{me}.json")
+        sent0 = pipe.stats.bytes_sent
+        timeline.start(path, rank=me)
+        wall = []
+        for _ in range(a.steps):
+            world.Barrier()
+            t = time.perf_counter()
+            pipe.allreduce_(grads)
+            wall.append(time.perf_counter() - t)
+        timeline.stop()
+        sent = (pipe.stats.bytes_sent - sent0) / a.steps
+        world.Barrier()
+        if me == 0:
+            with open(path) as f:
+                trace = json.load(f)
+            rows = [account(s) for s in split_steps(trace["traceEvents"])]
+            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            wire = sent * 8 / bps * 1e3
+            print(f"| {method} | {med['step']:.1f} | {med['before']:.1f} | {med['idle']:.1f} | "
+                  f"{med['exchanges']:.1f} | {wire:.1f} | {wire / med['exchanges']:.2f} | "
+                  f"{med['after']:.1f} | {med['pass']:.1f} | {med['agree']:.1f} |", flush=True)
+        del pipe
+    if me == 0:
+        print("\nwire time: Pipeline.stats.bytes_sent per rank and step at the link rate (payload "
+              "bytes, no TCP/IP headers); step: from the timeline (the wall time around "
+              f"allreduce_, median: {statistics.median(wall) * 1e3:.1f} ms for the last method).")
+        for f in os.listdir(tmp):
+            os.unlink(os.path.join(tmp, f))
+        os.rmdir(tmp)
+
+
+if __name__ == "__main__":
+    main()
