@@ -22,7 +22,9 @@ timeline on (``gradfuse.runtime.timeline``, the spans ``GRADFUSE_TIMELINE`` writ
 * *after the last exchange*: decoding what arrived last, until the step returns;
 * beside them, the two parts of the step's verdict (stage ``"verdict"``): the max |x| pass
   over the inputs (while the early groups are on the link) and the max-allreduce that
-  agrees on it;
+  agrees on it; and the share of the machine's CPU time spent in softirq during the timed
+  steps (``/proc/stat``): on the emulated cluster, the packet processing of the hosts'
+  links runs on the ranks' own cores and slows their kernels while data flows;
 
 and prints the medians over the timed steps. The step is link-bound where the exchanges
 cover most of it: then everything but their union is time the link had nothing to do.
@@ -47,6 +49,15 @@ def link_bps(text):
         if text.endswith(unit):
             return float(text[:-len(unit)]) * mult
     raise SystemExit(f"--link: expected a rate such as 300mbit or 1gbit, got {text!r}")
+
+
+def cpu_ticks():
+    """(all, softirq) jiffies of the whole machine (/proc/stat): the share of the CPUs that
+    the kernel's packet processing takes (on the emulated cluster the hosts' veths, bridge
+    and qdiscs run on the ranks' own cores)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return sum(v[:8]), v[6]
 
 
 def split_steps(events):
@@ -111,8 +122,9 @@ def main():
         print(f"{world.Get_size()} ranks, link {a.link}, ResNet-50 gradients, {a.steps} timed steps "
               f"(ms, rank 0, medians over the steps)\n")
         print("| method | step | before the first post | link idle | exchanges | wire time | "
-              "wire / exchanges | after the last exchange | verdict: max abs pass | verdict: agree |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "wire / exchanges | after the last exchange | verdict: max abs pass | verdict: agree | "
+              "CPU in softirq |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for method in a.methods:
         pipe = gradfuse.Pipeline(compress=method)
         for _ in range(5):
@@ -120,13 +132,16 @@ def main():
         path = os.path.join(tmp, f"{method}-{me}.json")
         sent0 = pipe.stats.bytes_sent
         timeline.start(path, rank=me)
+        ticks0 = cpu_ticks()
         wall = []
         for _ in range(a.steps):
             world.Barrier()
             t = time.perf_counter()
             pipe.allreduce_(grads)
             wall.append(time.perf_counter() - t)
+        ticks1 = cpu_ticks()
         timeline.stop()
+        softirq = (ticks1[1] - ticks0[1]) / max(1, ticks1[0] - ticks0[0])
         sent = (pipe.stats.bytes_sent - sent0) / a.steps
         world.Barrier()
         if me == 0:
@@ -137,7 +152,7 @@ def main():
             wire = sent * 8 / bps * 1e3
             print(f"| {method} | {med['step']:.1f} | {med['before']:.1f} | {med['idle']:.1f} | "
                   f"{med['exchanges']:.1f} | {wire:.1f} | {wire / med['exchanges']:.2f} | "
-                  f"{med['after']:.1f} | {med['pass']:.1f} | {med['agree']:.1f} |", flush=True)
+                  f"{med['after']:.1f} | {med['pass']:.1f} | {med['agree']:.1f} | {softirq:.0%} |", flush=True)
         del pipe
     if me == 0:
         print("\nwire time: Pipeline.stats.bytes_sent per rank and step at the link rate (payload "
