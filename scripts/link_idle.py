@@ -40,15 +40,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-RATES = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3}
 
 
 def link_bps(text):
-    """Bits per second of a ``tc``-style rate (``300mbit``, ``1gbit``)."""
-    for unit, mult in RATES.items():
-        if text.endswith(unit):
-            return float(text[:-len(unit)]) * mult
-    raise SystemExit(f"--link: expected a rate such as 300mbit or 1gbit, got {text!r}")
+    """Bits per second of ``--link``, read as ``emu_cluster.py`` reads it
+    (``gradfuse.bench.netns.parse_link``: ``300mbit``, a preset such as ``1gbit``)."""
+    from gradfuse.bench.netns import parse_link
+    try:
+        return parse_link(text.replace("/", ":"))[2]
+    except ValueError as exc:
+        raise SystemExit(f"--link: {exc}") from None
 
 
 def cpu_ticks():

@@ -77,13 +77,19 @@ def test_prediction_is_the_cost_model_summed_over_buckets():
     assert predict_step("mpi4py", w, 2, link, 1e-4)[0] == pytest.approx(want)
 
 
-def test_local_smoke_two_ranks(tmp_path):
+def _local_tiny(tmp_path, ranks, methods, timeout):
+    """``gradfuse.bench network`` on ``local:<ranks>``, the tiny workload, one round: its
+    printed report and its JSON results, after checking that it ran to the end."""
     js = tmp_path / "r.json"
-    rc, out, hung = run_limited([sys.executable, "-m", "gradfuse.bench", "network", "--where", "local:2",
+    rc, out, hung = run_limited([sys.executable, "-m", "gradfuse.bench", "network", "--where", f"local:{ranks}",
                                  "--workloads", "tiny", "--rounds", "1", "--no-horovod",
-                                 "--methods", "none,1bit,randomk,mpi4py", "--json", str(js)], timeout=120, env=ENV)
+                                 "--methods", methods, "--json", str(js)], timeout=timeout, env=ENV)
     assert not hung and rc == 0, out
-    r = json.loads(js.read_text())
+    return out, json.loads(js.read_text())
+
+
+def test_local_smoke_two_ranks(tmp_path):
+    out, r = _local_tiny(tmp_path, 2, "none,1bit,randomk,mpi4py", 120)
     assert r[0]["p"] == 2 and set(r[0]["workloads"]["tiny"]["methods"]) == {"none", "1bit", "randomk", "mpi4py"}
     assert "#### tiny (4 tensors, 0.1 MB), 2 ranks, local" in out
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
@@ -98,12 +104,7 @@ def test_local_four_ranks_checks_gradfuse_sums_in_rank_order(tmp_path):
     """From 4 ranks MPICH's allreduce adds in pairs, gradfuse's sums between the ranks of one
     host in rank order: the bench's exactness check takes either, bit for bit (it stopped
     every 4- and 8-rank local run before)."""
-    js = tmp_path / "r.json"
-    rc, out, hung = run_limited([sys.executable, "-m", "gradfuse.bench", "network", "--where", "local:4",
-                                 "--workloads", "tiny", "--rounds", "1", "--no-horovod",
-                                 "--methods", "none,mpi4py", "--json", str(js)], timeout=180, env=ENV)
-    assert not hung and rc == 0, out
-    r = json.loads(js.read_text())
+    _, r = _local_tiny(tmp_path, 4, "none,mpi4py", 180)
     assert r[0]["p"] == 4 and set(r[0]["workloads"]["tiny"]["methods"]) == {"none", "mpi4py"}
 
 

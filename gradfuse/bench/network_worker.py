@@ -100,9 +100,10 @@ def rank_order_sum(world, a):
     where MPI's own allreduce may add in another order from 4 ranks on (MPICH: pairs
     first). A chain of sends, then a broadcast: two arrays of memory, however many ranks."""
     rank, p = world.rank, world.size
-    acc = np.ascontiguousarray(a).copy()
-    if rank > 0:
-        acc = np.empty_like(acc)
+    if rank == 0:
+        acc = np.array(a, copy=True, order="C")
+    else:
+        acc = np.empty(a.shape, a.dtype)
         world.Recv(acc, source=rank - 1, tag=7301)
         acc += a
     if rank < p - 1:
