@@ -116,7 +116,7 @@ def fusion_threshold(value=None):
 
 
 def pipeline_buckets(value=None):
-    """Whether compressed buckets are pipelined (``gradfuse.runtime.overlap``): the argument
+    """Whether compressed buckets are pipelined (``gradfuse.step.overlap``): the argument
     (True or False), else GRADFUSE_PIPELINE_BUCKETS (0 or 1), else the default."""
     if value is None:
         return env_bool("GRADFUSE_PIPELINE_BUCKETS", DEFAULT_PIPELINE_BUCKETS)

@@ -47,8 +47,7 @@ from .fusion.plan import FusionPlan, parse_signature
 from .fusion.pool import OutputPool
 from .runtime import context as runtime
 from .runtime.control import Request
-from .runtime.overlap import Overlap
-from .step import COMPRESSIBLE, NONFINITE, Stats, Step, StepConfig
+from .step import COMPRESSIBLE, NONFINITE, Overlap, Stats, Step, StepConfig
 
 # The plan cache holds what the model's calls cycle through, not a fixed number: a plan is
 # dropped only when it has not been used for twice as many calls as the cache holds plans
@@ -115,7 +114,7 @@ class Pipeline:
             and cleared, so nothing is lost (docs/compressors.md). Off by default: on
             shared memory nothing pays, and it would silently switch compression off.
         pipeline_buckets: overlap the exchange of each compressed bucket with the
-            compression of the next, on a second thread (``gradfuse.runtime.overlap``);
+            compression of the next, on a second thread (``gradfuse.step.overlap``);
             the results are bit-identical either way. Default None:
             ``GRADFUSE_PIPELINE_BUCKETS`` (0 or 1), else on (measured in
             docs/benchmarks.md, "Pipelined buckets"). It needs MPI at

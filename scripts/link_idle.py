@@ -112,7 +112,7 @@ def main():
 
     gradfuse.init()
     if a.early_share is not None:
-        from gradfuse import grouped
+        from gradfuse.step import grouped
         grouped.EARLY_SHARE = a.early_share
     world = MPI.COMM_WORLD
     me = world.Get_rank()

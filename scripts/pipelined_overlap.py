@@ -16,11 +16,11 @@ their own: the multi-rank step's own local work, which decodes p payloads where 
 alone decodes one); with ``--thread``, also pipelined with a step's
 allgather and sparse-allreduce buckets run one at a time on the exchange thread (the design
 before they were posted from the communication thread in exchange groups,
-``gradfuse.grouped``); with ``--per-bucket``, also pipelined with exchange groups of one
+``gradfuse.step.grouped``); with ``--per-bucket``, also pipelined with exchange groups of one
 bucket each (one collective per bucket, posted from the communication thread, as the posted
 allgathers of commit 93dbc81 did before the groups took them); with ``--whole``, also pipelined with every 16-bit
 bucket moved whole between 2 hosts (parts as large as the largest bucket: the design
-before ``AllreduceJob.PART_WORDS`` bounded them, ``runtime.overlap._run16``); the bytes that left and entered this host's
+before ``AllreduceJob.PART_WORDS`` bounded them, ``step.overlap._run16``); the bytes that left and entered this host's
 ``eth0`` per step (``/sys/class/net/eth0/statistics``; the tbf queues shape both), so
 wire = max(sent, received) / link rate; and the ratios pipelined / max(compute, wire),
 issue 16's target <= 1.2, and pipelined / max(kernels, wire), the same against the step's
@@ -53,9 +53,10 @@ def worker(out, methods, rounds, threshold, blocking=False, whole=False, thread=
 
     import gradfuse
     from gradfuse.bench.sets import make_set, resnet50_shapes
-    from gradfuse import grouped
-    from gradfuse.runtime import overlap, timeline
-    from gradfuse.compressors.exchange import AllreduceJob
+    from gradfuse.step import grouped
+    from gradfuse.step import overlap
+    from gradfuse.runtime import timeline
+    from gradfuse.step.exchange import AllreduceJob
     polling, part_words = overlap.PollingComm, AllreduceJob.PART_WORDS
     groupable, caps = grouped.groupable, (grouped.LAST_GROUP, grouped.MAX_GROUP)
 

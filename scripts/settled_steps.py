@@ -9,7 +9,7 @@ ResNet-50's gradients, in-place ``allreduce_`` steps of a pipelined ``Pipeline``
 defaults, per compressor. Three variants of the same pipeline, alternated round by round
 (A B C, C B A), two steps each, the slowest rank's time per step:
 
-* *settled*: as shipped (``gradfuse.grouped``): the early groups compressed into pinned
+* *settled*: as shipped (``gradfuse.step.grouped``): the early groups compressed into pinned
   residuals and posted before the verdict's pass, every bucket decoded as soon as its
   group has arrived;
 * *no early groups*: the same with ``grouped.EARLY_SHARE = 0`` (the verdict's pass before
@@ -39,7 +39,7 @@ def worker(methods, rounds):
     from mpi4py import MPI
 
     import gradfuse
-    from gradfuse import grouped
+    from gradfuse.step import grouped
     from gradfuse.bench.sets import make_set, resnet50_shapes
 
     gradfuse.init()

@@ -38,7 +38,7 @@ def test_allgather_and_twophase_by_hand():
 def test_payload_bytes_match_the_compressors_layouts():
     """The model's payload sizes are the wire's (header + 8-aligned arrays)."""
     from gradfuse.compressors.base import BucketContext
-    from gradfuse.compressors.exchange import Wire
+    from gradfuse.step.exchange import Wire
     counts = (1000, 7, 4096, 513)
     for name, opts in (("1bit", {}), ("1bit", {"block_size": 64}), ("2bit", {}), ("topk", {"ratio": 0.03}),
                        ("randomk", {"ratio": 0.05})):

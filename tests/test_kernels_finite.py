@@ -1,4 +1,4 @@
-"""The finiteness kernels of the step's verdicts (gradfuse.compressors.jobs) against their
+"""The finiteness kernels of the step's verdicts (gradfuse.step.jobs) against their
 numpy definitions: ``table_absmax`` is max |x| with inf for any non-finite value (the
 step's bound, input_bound, and halves_cannot_fail), ``count_masked16`` numpy's count of
 masked 16-bit words."""

@@ -1,4 +1,4 @@
-"""``gradfuse.runtime.overlap`` on one process: the exchange thread's ordering, what an
+"""``gradfuse.step.overlap`` on one process: the exchange thread's ordering, what an
 error does, and the option's validation.
 (Across ranks, bit for bit against the serial step: tests/mpi/test_pipelined.py.)"""
 import threading
@@ -10,7 +10,7 @@ import pytest
 import gradfuse
 from gradfuse import config
 from gradfuse.comm import SingleProcessCommunicator
-from gradfuse.runtime.overlap import Overlap, enabled, run_jobs
+from gradfuse.step.overlap import Overlap, enabled, run_jobs
 
 
 class Job:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import gradfuse
-from gradfuse import plain as _plain, step as _step
+from gradfuse.step import plain as _plain, compressed as _step
 from gradfuse.runtime import timeline
 from timeline_checks import assert_nested, load_trace, spans, stage_counts, track_names
 

@@ -106,7 +106,7 @@ def bench_compress(rounds, n=1 << 24):
     from .. import _core
     from ..compressors import BucketContext, create
     from ..fusion.plan import aligned_empty
-    from ..compressors.exchange import Wire
+    from ..step.exchange import Wire
     rng = np.random.default_rng(0)
     g = rng.standard_normal(n).astype(np.float32)
     table = (np.array([g.ctypes.data], np.int64), np.zeros(1, np.int64), np.array([n], np.int64), 0, 1)

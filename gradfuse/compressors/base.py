@@ -170,7 +170,7 @@ class Compressor(ABC):
     supports_cuda = False
     collective = "allgather"
     # the collectives ``algorithm="auto"`` chooses among by the cost model (job algorithms
-    # of gradfuse.compressors.jobs; empty: always ``collective``), and the option values
+    # of gradfuse.step.jobs; empty: always ``collective``), and the option values
     # that name a job algorithm differently
     AUTO = ()
     ALGORITHM_NAMES = {}

@@ -11,7 +11,7 @@ arithmetic only, the same on every device. Every element is chosen with probabil
 1/length (about k_i/n_i) at every step, independently of the other steps, as with a
 uniform draw of k_i of n_i. Payload: the K = sum of k_i float32 values, tensor after
 tensor. Collectives: ``allgather``, or ``allreduce`` (the K values summed at the shared
-positions, ``gradfuse.compressors.sparse_allreduce``; the same bits); ``auto`` picks by
+positions, ``gradfuse.step.sparse_allreduce``; the same bits); ``auto`` picks by
 the cost model. Residual: c with the sent positions set to 0. The step counter is part of the
 pipeline's checkpointed state, so a restored run draws the same positions.
 """
@@ -53,7 +53,7 @@ class RandomK(Compressor):
     supports_cuda = True
     OPTIONS = {"ratio": 0.01, "seed": 0, "algorithm": "auto"}
     # every rank draws the same positions, so the values can be summed by an allreduce
-    # (gradfuse.compressors.sparse_allreduce); "auto" picks by the cost model
+    # (gradfuse.step.sparse_allreduce); "auto" picks by the cost model
     AUTO = ("allgather", "sparse_allreduce")
     ALGORITHM_NAMES = {"allreduce": "sparse_allreduce"}
 

@@ -6,7 +6,7 @@ can only ever be applied to the bucket it came from. On a GPU (and with momentum
 residual is double-buffered: kernels write the new residual into the spare buffer, and
 ``commit`` swaps it in once every rank has agreed the step was finite. On the host a
 residual is a single buffer (``single``): the step first agrees that every compressed
-input is finite and that nothing can overflow (``gradfuse.compressors.jobs.input_bound``,
+input is finite and that nothing can overflow (``gradfuse.step.verdict.input_bound``,
 with each residual's ``bound``) and the kernels then update it in place (``nxt is cur``);
 a step that cannot promise that gets a spare for that step only (``spare()``), dropped
 again at ``commit``/``release``; a pipelined step's early groups keep theirs (``pin``). With ``momentum`` (DGC's momentum correction,
@@ -49,7 +49,7 @@ class BucketState:
         self.server_cur = self.vel_cur = None
         self.vscale = 1.0
         self.tables = {}         # pointer tables over this state's arrays (gradfuse.compressors.momentum)
-        # an upper bound on |cur| (gradfuse.compressors.jobs.input_bound): exact for zeros and
+        # an upper bound on |cur| (gradfuse.step.verdict.input_bound): exact for zeros and
         # restored residuals, then grown step by step by the compressor's ``settle``; inf: unknown
         self.bound = 0.0
         self.pinned = False      # single, but keeps its spare across steps (``pin``)
@@ -107,7 +107,7 @@ class BucketState:
     def pin(self, on=True):
         """Keep (``on``) or stop keeping a spare residual across steps: a single-buffered
         bucket that a pipelined step compresses before every rank agreed its inputs are
-        finite (``gradfuse.grouped``, "early groups") writes into the spare, as a GPU's
+        finite (``gradfuse.step.grouped``, "early groups") writes into the spare, as a GPU's
         double-buffered residual does, and ``commit`` swaps it in."""
         if not self.single or on == self.pinned:
             return

@@ -10,7 +10,7 @@ a block sends exactly the magnitude its selected elements hold. Layout, tensor a
 tensor: tensor i's ``ceil(n_i/16)`` uint32 words (its element k in bits 2(k%16) and
 2(k%16)+1 of its word k//16: 0b01 +, 0b10 -, 0b00 zero, padding 0), then ``values``: its
 ``ceil(n_i/B)`` float32 after the previous tensors'. About 2 + 32/B bits per element.
-Collectives as 1-bit's (``algorithm``): allgather, or two-phase (compressors/twophase.py).
+Collectives as 1-bit's (``algorithm``): allgather, or two-phase (step/twophase.py).
 
 **Absolute (MXNet's kvstore semantics, ``threshold=T``).** Each value becomes +T if
 c >= T, -T if c <= -T, else 0; 4 values per byte, element j in bits 2*(j % 4)..+1 of byte

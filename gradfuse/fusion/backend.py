@@ -1,7 +1,7 @@
 """Where a step's buffers live and which kernels run on them: host (numpy + ``_core``) or
 CUDA (cupy + ``gradfuse.gpu``).
 
-The step, the exchange jobs of ``gradfuse.compressors.exchange`` and the built-in
+The step, the exchange jobs of ``gradfuse.step.exchange`` and the built-in
 compressors are written once against this small interface; ``HOST`` and ``CudaBackend`` supply the allocations,
 the kernel module (``kernels``: ``gradfuse._core`` or ``gradfuse.gpu``, whose functions
 take the same arguments) and the few steps that differ (averaging dtypes other than

@@ -1,5 +1,5 @@
 /*
- * Finiteness checks over a pointer table of float32 tensors (gradfuse.compressors.jobs):
+ * Finiteness checks over a pointer table of float32 tensors (gradfuse.step.jobs):
  * max |x| of a bucket's inputs (the step's bound, input_bound, and the 16-bit verdict,
  * halves_cannot_fail), in one call per bucket, and the inf/NaN count of a summed 16-bit
  * payload.

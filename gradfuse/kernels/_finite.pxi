@@ -1,4 +1,4 @@
-# Kernels: finiteness verdicts over a pointer table (gradfuse.compressors.jobs:
+# Kernels: finiteness verdicts over a pointer table (gradfuse.step.jobs:
 # input_bound, halves_cannot_fail). Included by _core.pyx; the C is in _finite.h.
 # Their numpy twins are the definitions themselves: max |x| (inf when any value is not
 # finite), and numpy's count of masked 16-bit words; tests/test_kernels_finite.py.

@@ -8,12 +8,12 @@ A **record** is one span of work: ``(stage, op, tensors, t0, t1, tid, args)``.
 * ``stage``: one of ``STAGES``: ``"call"`` (a binding's whole call, on the caller's
   thread), ``"op"`` (a whole negotiated collective of ``gradfuse.collectives`` on the
   communication thread), ``"negotiate"`` (the control plane's agreement), and a bucket's
-  data stages (``gradfuse/step.py``): ``"pack"``, ``"compress"``, ``"exchange"`` (the
+  data stages (``gradfuse/step/run.py``): ``"pack"``, ``"compress"``, ``"exchange"`` (the
   bucket's or tensor's MPI/NCCL collective: an uncompressed allreduce, a compressor's
   allgather, 16-bit allreduce or two-phase exchange, a data-movement collective's MPI
   call), ``"decompress"`` and ``"unpack"``; ``"verdict"``, a compressed step's agreement
   on its inputs (``args["part"]``: ``"max |x|"``, the pass over them, or ``"agree"``, the
-  max-allreduce of the ranks' bounds; ``gradfuse.compressors.jobs``). ``"reduce"`` and
+  max-allreduce of the ranks' bounds; ``gradfuse.step.jobs``). ``"reduce"`` and
   ``"decode"`` are accepted as older names of ``"exchange"`` and ``"decompress"``;
 * ``tensors``: the names the span covers (a bucket's span names its tensors);
 * ``args``: a few JSON-able values (``bucket`` index, ``bytes``, ``algorithm``, ...).

@@ -51,13 +51,16 @@ import numpy as np
 
 from .. import config
 from .abort import ABORT_GRACE_S, COORDINATOR_LEAD_S, announce_and_abort
-from .overlap import Overlap
 
 _POLL_S = 0.1            # how often the watchdog looks
 _GRACE_S = 2.0           # a collective already running when a peer left may still finish
 # the watchdog goes after the control plane: every rank's stall message is out (6 s)
 _CONTROL_GRACE_S = COORDINATOR_LEAD_S + ABORT_GRACE_S
 _TAG_GOODBYE = 11
+#: the name of a pipeline's exchange thread (``gradfuse.step.overlap.Overlap``): the watchdog
+#: prints the stack of one that is not idle (its ``idle`` attribute) beside the
+#: communication thread's
+EXCHANGE_THREAD = "gradfuse-exchange"
 UNKNOWN_CODE = -(1 << 62)
 
 _hooks = None
@@ -230,7 +233,7 @@ class _Hooks:
         # pipelined buckets: the collective itself may sit on a pipeline's exchange thread
         for t in threading.enumerate():
             f = frames.get(t.ident)
-            if t.name == Overlap.NAME and f is not None and f.f_code is not Overlap._loop.__code__:
+            if t.name == EXCHANGE_THREAD and f is not None and not getattr(t, "idle", False):
                 text += f"and the exchange thread {t.ident} in:\n" + "".join(traceback.format_stack(f))
         return text
 

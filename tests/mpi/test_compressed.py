@@ -13,7 +13,7 @@ import gradfuse
 from gradfuse.compressors import BucketContext, create
 from gradfuse.errors import NonFiniteError
 from gradfuse.bench import fixed
-from gradfuse.compressors.twophase import twophase_chunk
+from gradfuse.step.twophase import twophase_chunk
 from gradfuse.compressors.onebit import BlockLayout
 
 ONE_BUCKET = 1 << 30          # every float32 tensor in one bucket, so the reference is simple
@@ -120,7 +120,7 @@ def test_twophase_server_in_pieces_matches_reference(world, monkeypatch, name, o
     """The two-phase server sums and compresses its chunk in pieces of whole blocks of at
     most ``SERVER_PIECE`` elements (a block each, or several; one block when a block is
     longer), in one small shared work array: the whole chunk's bits and server residual."""
-    from gradfuse.compressors.twophase import TwoPhaseJob
+    from gradfuse.step.twophase import TwoPhaseJob
     monkeypatch.setattr(TwoPhaseJob, "SERVER_PIECE", piece)
     check_reference(world, name, opts, True)
 
@@ -559,7 +559,7 @@ def test_host_residuals_are_single_buffered_and_spared_only_for_a_bad_step(world
 
 def test_finite_inputs_that_may_overflow_take_spares_and_keep_the_residual(world):
     """g + e can overflow float32 with finite g and e (MXNet's 2-bit keeps nearly all of a huge
-    value as residual). The residual bound (``jobs.input_bound``) sees it coming: the step
+    value as residual). The residual bound (``verdict.input_bound``) sees it coming: the step
     takes spare residuals, is refused on every rank, and the residual is what it was."""
     pipe = gradfuse.Pipeline(compress="2bit", threshold=0.5)
     huge = lambda: {"w": np.tile(np.repeat(np.float32([3e38, -3e38]), 8), 4)}   # noqa: E731  (its sum is finite)

@@ -280,7 +280,7 @@ def test_start_timeline_writes_horovods_phases_from_rank_0(world):
                 st.pop()
     assert all(not st for st in stacks.values())
     # per tensor: NEGOTIATE_<OP>, then <OP> holding MPI_<OP>, as in Horovod
-    # (the fusion-buffer copies appear where gradfuse/step.py records its pack/unpack stages)
+    # (the fusion-buffer copies appear where gradfuse/step/run.py records its pack/unpack stages)
     g0 = [e.get("name") for e in events if e.get("pid") == next(p for p, t in tracks.items() if t == "tl.g.0")]
     assert g0 in (["process_name", "process_sort_index", "NEGOTIATE_ALLREDUCE", None, "ALLREDUCE",
                    "MPI_ALLREDUCE", None, None],
@@ -361,7 +361,7 @@ def test_start_timeline_phases_match_horovods_own_file(world, horovod):
     assert set(names) <= set(theirs), theirs
     # the fusion-buffer copies are left out on both sides: a lone small tensor is reduced in
     # place by Horovod, while gradfuse's fused path copies it through a bucket (and records
-    # that once gradfuse/step.py records pack/unpack); their nesting is checked above
+    # that once gradfuse/step/run.py records pack/unpack); their nesting is checked above
     copies = {"MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER"}
     for t in names:
         assert [p for p in theirs[t] if p not in HOROVOD_ONLY | copies] == \

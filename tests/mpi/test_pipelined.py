@@ -1,4 +1,4 @@
-"""Pipelined buckets (``gradfuse.runtime.overlap``) across ranks: the same bits as the
+"""Pipelined buckets (``gradfuse.step.overlap``) across ranks: the same bits as the
 serial step for every compressor and algorithm, on several buckets; an error in one
 bucket's exchange (or compression) reaches the caller on every rank, with nothing of the
 step still running, and the pipeline goes on; ``nonfinite="skip"`` and "raise" as before;
@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 import gradfuse
-from gradfuse.compressors.exchange import AllgatherJob
-from gradfuse.compressors.sparse_allreduce import SparseAllreduceJob
-from gradfuse.compressors.twophase import TwoPhaseJob
+from gradfuse.step.exchange import AllgatherJob
+from gradfuse.step.sparse_allreduce import SparseAllreduceJob
+from gradfuse.step.twophase import TwoPhaseJob
 from gradfuse.errors import NonFiniteError
 from gradfuse.runtime import timeline
 from timeline_checks import assert_nested, load_trace, spans, track_names
@@ -94,7 +94,7 @@ def both(a, b, g):
 
 @pytest.mark.parametrize("name,opts", CASES)
 def test_pipelined_steps_are_the_serial_bits(world, monkeypatch, name, opts):
-    from gradfuse import grouped
+    from gradfuse.step import grouped
     made = []
     plan = grouped.plan
 
@@ -110,7 +110,7 @@ def test_pipelined_steps_are_the_serial_bits(world, monkeypatch, name, opts):
         assert same_state(a, b), (name, opts, step)
     assert n_buckets(a) >= 5
     assert a._cfg.overlap.runs == (0 if name in SERIAL else 4)
-    # every allgather and sparse-allreduce step in exchange groups (gradfuse.grouped)
+    # every allgather and sparse-allreduce step in exchange groups (gradfuse.step.grouped)
     grouped_algo = None if name in SERIAL or opts.get("algorithm") == "twophase" else \
         "sparse_allreduce" if opts.get("algorithm") == "allreduce" else "allgather"
     assert made == ([] if grouped_algo is None else [[grouped_algo]] * 4), made
@@ -130,7 +130,7 @@ def test_16bit_steps_between_hosts_are_the_serial_bits(world, monkeypatch, name,
     the next bucket is cast, and the communication thread adds and decodes them. The bits
     are the serial step's (MPI's user-op allreduce: one float32 add, rounded once); from
     3 ranks such a step stays serial."""
-    from gradfuse.runtime import overlap
+    from gradfuse.step import overlap
     monkeypatch.setattr(overlap, "SERIAL16_ON_ONE_HOST", False)
     rank = world.Get_rank()
     a, b = pair(name, opts)
@@ -164,8 +164,8 @@ def test_16bit_parts_bound_the_shared_buffers(world, monkeypatch):
     the bits are the serial step's, also when the step cannot stream (a value near fp16's
     top in part 0 of a cut bucket 0, and in a later part of another) and when it is refused
     (an inf in a later part)."""
-    from gradfuse.compressors.exchange import AllreduceJob
-    from gradfuse.runtime import overlap
+    from gradfuse.step.exchange import AllreduceJob
+    from gradfuse.step import overlap
     monkeypatch.setattr(overlap, "SERIAL16_ON_ONE_HOST", False)
     monkeypatch.setattr(AllreduceJob, "PART_WORDS", 512)
     rank, p = world.Get_rank(), world.Get_size()
@@ -253,14 +253,14 @@ class Inject:
 ])
 @pytest.mark.parametrize("stage", ["exchange", "compress"])
 def test_an_error_in_one_bucket_reaches_every_rank(world, monkeypatch, name, opts, cls, stage):
-    from gradfuse import grouped
+    from gradfuse.step import grouped
     monkeypatch.setattr(grouped, "LAST_GROUP", 40)      # groups of a few buckets: the error's
     monkeypatch.setattr(grouped, "MAX_GROUP", 90)       # group has others after it
     rank = world.Get_rank()
     a, b = pair(name, opts)
     a.allreduce(grads_for(rank, 0))
     b.allreduce(grads_for(rank, 0))
-    # allgather and sparse-allreduce buckets go in exchange groups (gradfuse.grouped),
+    # allgather and sparse-allreduce buckets go in exchange groups (gradfuse.step.grouped),
     # whose collectives are the group's: the bucket's own part of its exchange is
     # received() (the allgather's bookkeeping) or serve() (the sum of this rank's chunks
     # between the alltoall and the allgather)
@@ -326,7 +326,7 @@ def test_timeline_tracks_nest_with_the_exchange_thread(world, algorithm):
 
 
 def test_serial_below_thread_multiple(world, monkeypatch):
-    from gradfuse.runtime import overlap
+    from gradfuse.step import overlap
     monkeypatch.setattr(overlap, "_thread_multiple", [False])      # as under MPI_THREAD_SERIALIZED
     rank = world.Get_rank()
     a, b = pair("1bit", {})
@@ -344,10 +344,10 @@ def test_serial_below_thread_multiple(world, monkeypatch):
 ])
 def test_randomk_exchange_groups_are_the_serial_bits(world, monkeypatch, name, opts, caps):
     """random-k's buckets exchange in groups on the communication thread
-    (gradfuse.grouped); with groups of a few buckets each (the caps made small
+    (gradfuse.step.grouped); with groups of a few buckets each (the caps made small
     here), the results, residuals and counters are the serial step's (one collective per
     bucket), on every rank, and a non-finite step is refused or skipped alike."""
-    from gradfuse import grouped
+    from gradfuse.step import grouped
     monkeypatch.setattr(grouped, "LAST_GROUP", caps[0])
     monkeypatch.setattr(grouped, "MAX_GROUP", caps[1])
     made = []
@@ -387,7 +387,7 @@ def test_randomk_exchange_groups_are_the_serial_bits(world, monkeypatch, name, o
 def test_randomk_exchange_groups_timeline(world, monkeypatch):
     """On the grouped path every random-k bucket still has one compress, one exchange (its
     group's span) and one decompress span per step, on tracks where spans nest."""
-    from gradfuse import grouped
+    from gradfuse.step import grouped
     monkeypatch.setattr(grouped, "LAST_GROUP", 40)
     monkeypatch.setattr(grouped, "MAX_GROUP", 90)
     me, p = world.Get_rank(), world.Get_size()
@@ -431,11 +431,11 @@ SETTLED = [
 @pytest.mark.parametrize("name,opts", SETTLED)
 def test_settled_steps_decode_as_their_groups_arrive(world, monkeypatch, name, opts):
     """A pipelined step whose inputs are finite and whose bound rules out an overflow
-    (``jobs.settled``) decodes each bucket once its exchange group has arrived, while later
+    (``verdict.settled``) decodes each bucket once its exchange group has arrived, while later
     groups are still in flight; the early groups are compressed before the verdict into
     pinned (double-buffered) residuals. The same bits and residuals as the serial step, in
     place and not, and every bucket decoded once a step."""
-    from gradfuse import grouped, step as step_mod
+    from gradfuse.step import grouped, run as step_mod
     monkeypatch.setattr(grouped, "LAST_GROUP", 40)
     monkeypatch.setattr(grouped, "MAX_GROUP", 90)
     log = []
@@ -487,7 +487,7 @@ def test_a_refused_settled_candidate_writes_nothing(world, monkeypatch, name, op
     """NaN on one rank in a pipelined in-place step of a compressor that could settle: the
     early groups were already compressed and posted, yet nothing is decoded: every rank
     raises, every tensor is unchanged, and the residuals are those before the step."""
-    from gradfuse import grouped
+    from gradfuse.step import grouped
     monkeypatch.setattr(grouped, "LAST_GROUP", 40)
     monkeypatch.setattr(grouped, "MAX_GROUP", 90)
     rank, size = world.Get_rank(), world.Get_size()

@@ -20,8 +20,8 @@ values this rank saw) followed by the compressor's payload arrays, each starting
 """
 import numpy as np
 
-from . import momentum as _momentum
-from .error_feedback import EMPTY, compress_with_feedback
+from ..compressors import momentum as _momentum
+from ..compressors.error_feedback import EMPTY, compress_with_feedback
 
 
 def ring_bytes(nbytes, p):
@@ -109,7 +109,7 @@ class BucketJob:
         self.nonfinite_detail = ""
         self.velocity = None          # (x, u) once apply_velocity ran: what the compressor read, u
         self.stream = False           # decoded right after its exchange, in shared buffers (the step cannot fail)
-        self.slot = 0                 # streamed and pipelined (runtime.overlap): which of two shared buffers
+        self.slot = 0                 # streamed and pipelined (step.overlap): which of two shared buffers
         self.group_bufs = None        # an exchange group's views for this bucket's wire rows (grouped.py)
 
     def apply_velocity(self, velocity):
@@ -132,7 +132,7 @@ class BucketJob:
         one stage kind: those of ``exchange`` run one at a time on the exchange thread (or
         serially), those of ``compress`` and ``decode`` one at a time on the communication
         thread, so a name used by one kind only is never used twice at once, also pipelined
-        (``gradfuse.runtime.overlap``)."""
+        (``gradfuse.step.overlap``)."""
         buf = self.scratch.get(name)
         if buf is None or buf.size < n:
             size = max(int(n), 1)
@@ -197,7 +197,7 @@ class AllgatherJob(BucketJob):
 
     def wire_layout(self):
         """The bytes of this rank's payload row (an exchange group lays the rows of its
-        buckets side by side: ``gradfuse.grouped``)."""
+        buckets side by side: ``gradfuse.step.grouped``)."""
         return Wire(self.comp.bucket_layout(self.ctx))
 
     def compress(self):
@@ -220,7 +220,7 @@ class AllgatherJob(BucketJob):
 
     def exchange(self):
         """The allgather, then the bookkeeping (``received``; in an exchange group,
-        ``gradfuse.grouped`` runs only that, once the group's allgather completed)."""
+        ``gradfuse.step.grouped`` runs only that, once the group's allgather completed)."""
         self.comm.allgather(self.send, self.recv)
         self.received()
 
@@ -240,7 +240,7 @@ class AllgatherJob(BucketJob):
 class AllreduceJob(BucketJob):
     """fp16/bf16: the network sums the 16-bit payloads (MPI user op, float32 add rounded once).
 
-    Between 2 hosts (``runtime.overlap``) the words cross as a swap with the peer instead
+    Between 2 hosts (``step.overlap``) the words cross as a swap with the peer instead
     (``comm.swap16``), at most ``PART_WORDS`` words at a time, each added at once; a pipelined
     step of 16-bit buckets alone moves ``parts`` (``Part16``) instead of whole buckets."""
 
@@ -315,7 +315,7 @@ class AllreduceJob(BucketJob):
 
     def exchange(self):
         if getattr(self.comm, "swaps16", False) and not self.native:
-            # runtime.overlap, 2 hosts: the words cross on the exchange thread, polled, at
+            # step.overlap, 2 hosts: the words cross on the exchange thread, polled, at
             # most ``PART_WORDS`` at a time (the receive buffer is that long), each added at once
             step = max(1, min(self.PART_WORDS, self.n))
             for a in range(0, self.n, step):
@@ -376,7 +376,7 @@ def sub_tables(table, cuts):
 
 class Part16:
     """Words ``e0 .. e1-1`` of a 16-bit ``AllreduceJob``'s bucket: what the pipelined
-    16-bit step on 2 hosts moves (``runtime.overlap._run16``), so that its shared buffers
+    16-bit step on 2 hosts moves (``step.overlap._run16``), so that its shared buffers
     (two to cast into, two to receive into) hold a part, at most ``PART_WORDS``, not the
     largest bucket. Streamed, it is cast into the shared buffer of its
     ``slot``, crosses on the exchange thread, and ``decode`` adds the peer's words (one

@@ -8,12 +8,17 @@
   bucket's tensors summed where they lie, in one call per step: no fusion buffer, no
   pack, no unpack (``gradfuse.comm.cma``);
 * ``uncompressed``: a float32 bucket that ``uncompressed_if_faster`` runs uncompressed,
-  with the residual it kept while compressed.
+  with the residual it kept while compressed;
+* ``plain_velocity``: an uncompressed bucket of a pipeline with DGC's momentum correction
+  (its velocity is summed).
 """
 import numpy as np
 
-from .compressors.jobs import twophase_chunk
-from .runtime import timeline as _tl
+from .twophase import twophase_chunk
+from ..compressors import momentum as _momentum
+from ..fusion.staging import F16, staging
+from ..runtime import timeline as _tl
+
 
 def bucket_names(step, b):
     """The names of bucket ``b``'s tensors (built only while a timeline records)."""
@@ -141,3 +146,35 @@ def uncompressed(step, comm, b, divide, size):
     reduce(step, comm, b)
     unpack(step, b, divide, size)
 
+
+def plain_velocity(step, comm, b, vel, divide, size):
+    """An uncompressed bucket of a momentum pipeline: its velocity ``u = m * u + g`` is
+    written where the reduction reads (the fusion buffer, or a direct tensor itself), so the
+    bucket's sum is the sum of the velocities (float16: through the float32 staging array,
+    rounded once to float16 before the sum)."""
+    cfg, entry, t, bk = step.cfg, step.entry, step.tables, step.entry.bk
+    st = cfg.state.bucket((entry.state_key, b.index), 0, 0, None, bk, velocity=b.count)
+    src, rows = step.src, len(entry.plan.order)
+    if b.code == F16:
+        sg = staging(entry.wire, bk, b, entry.plan)
+        sg.load(step.src, t)
+        src = out = sg.ptrs                   # u written over the staged gradients
+    elif b.direct:
+        out = step.dst
+    else:
+        out = _momentum.table(st, bk, _momentum.address(b.buffer), t.offsets, rows, b.lo, b.hi)
+    _momentum.update(bk, st, (src, t.elem_offsets, t.counts, b.lo, b.hi), out, vel)
+    if b.code == F16 and b.direct:
+        sg.store(step.dst, t)
+    elif b.code == F16:
+        bk.kernels.cast_to16(1, sg.f32, b.buffer.view(np.uint16))
+    if b.direct:
+        i = int(entry.plan.order[b.lo])
+        comm.allreduce_inplace(step.out_objs[i])
+        if divide:
+            bk.div_inplace(step.out_objs[i], step.dst[b.lo], entry.plan.counts[b.lo], b.code, size)
+    else:
+        reduce(step, comm, b)
+        unpack(step, b, divide, size)
+    st.commit_velocity()
+    cfg.state.claim_done(entry.state_key)

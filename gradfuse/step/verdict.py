@@ -1,33 +1,26 @@
-"""Which exchange job runs a bucket: the registry of job classes by algorithm name.
+"""The step's verdicts: what every rank agrees on before results are written.
 
-Each algorithm lives in its own module (``exchange``: allgather and the 16-bit allreduce;
-``twophase``: the two-phase compressed allreduce; ``sparse_allreduce``: random-k's values
-summed at the shared positions); a new collective adds its class to ``JOBS``.
+* ``input_bound``: before the first in-place residual update, the largest ``|x|`` of every
+  rank's compressed inputs and the largest residual bound (one max-allreduce); with it
+  ``plan_step`` decides whether residuals are updated in place and whether the step is
+  *settled* (nothing can overflow: buckets may be decoded as soon as they arrive), and
+  ``settle_bounds`` carries the residual bounds to the next step.
+* ``halves_cannot_fail``: whether a step of fp16/bf16 buckets can decode each bucket at once.
+* ``check_finite``: the non-finite verdict (it travels with the payloads, so it is the same
+  on every rank); ``skip`` writes NaN for a step that ``nonfinite="skip"`` drops.
 """
 import time
 
 import numpy as np
 
+from .exchange import AllreduceJob
+from .plain import reduce_bucket
 from .. import _core
-from . import cost
-from .base import FLT_MAX, ROUNDING
-from .exchange import AllgatherJob, AllreduceJob, BucketTask, ring_bytes  # noqa: F401  (the step's one import)
-from .sparse_allreduce import SparseAllreduceJob
-from .twophase import TwoPhaseJob, twophase_chunk  # noqa: F401
+from .. import dtypes as _dt
+from ..compressors.base import FLT_MAX, ROUNDING
+from ..errors import NonFiniteError
 
-JOBS = {job.algorithm: job for job in (AllgatherJob, AllreduceJob, TwoPhaseJob, SparseAllreduceJob)}
-
-
-def job_class(comp, n, p, link=None, counts=None):
-    """The job class that exchanges a bucket of ``n`` elements on ``p`` ranks
-    (``comp.algorithm_for``: the compressor's option, or the cost model's choice on
-    ``link``; the same on every rank: it depends only on what the ranks agreed on)."""
-    return JOBS[comp.algorithm_for(n, p, link=link, counts=counts)]
-
-
-def pays(comp, algorithm, n, p, link, counts):
-    """Whether the cost model predicts the compressed exchange faster than the fp32 ring."""
-    return cost.predict(comp, algorithm, n, p, link, counts=counts) < cost.predict("none", "ring", n, p, link)
+NONFINITE = ("raise", "skip")
 
 
 #: a residual bound above this is measured again (one max ``|e|`` pass over that residual)
@@ -166,3 +159,62 @@ def halves_cannot_fail(jobs, comm):
     u, top = _HALF[j.comp.fmt]
     scale = p if (j.comp.options.get("predivide") or j.native) and j.divisor != 1.0 else 1.0
     return bool(np.isfinite(out[0])) and p * (out[0] / scale) * (1 + u) ** (p + 1) < top * (1 - 1e-6)
+
+
+def check_finite(step, jobs):
+    """True when no rank saw NaN/Inf in a compressed bucket (the verdict is the same on
+    every rank: it travels with the payloads). Otherwise, with ``nonfinite="raise"``,
+    raise ``NonFiniteError`` on every rank alike; with "skip", return False."""
+    bad = [j for j in jobs.values() if j.nonfinite_ranks]
+    if not bad:
+        return True
+    cfg, entry = step.cfg, step.entry
+    cfg.stats.nonfinite_steps += 1
+    lost = [j for j in jobs.values() if j.state.in_place]
+    for j in jobs.values():
+        if j in lost:           # finite inputs that overflowed in place (g + e, a server's sum)
+            j.state.zero()
+        j.state.release()
+    if cfg.nonfinite == "skip":
+        return False
+    cfg.stats.failed_steps += 1
+    parts = []
+    for j in bad:
+        names = [entry.names[int(i)] for i in entry.plan.order[j.bucket.lo:j.bucket.hi][:4]]
+        who = (f"on rank(s) {', '.join(str(r) for r in j.nonfinite_ranks)}"
+               if "?" not in j.nonfinite_ranks else "")
+        parts.append(f"bucket {j.bucket.index} (tensors {', '.join(repr(x) for x in names)}"
+                     f"{', ...' if j.bucket.hi - j.bucket.lo > 4 else ''}): non-finite values {who}"
+                     f"{'; ' + j.nonfinite_detail if j.nonfinite_detail else ''}")
+    kept = ("the residuals are unchanged" if not lost else
+            f"the residuals of {len(lost)} bucket(s) were reset to zero (finite inputs overflowed float32 "
+            f"in their in-place update)")
+    written = sorted(j.bucket.index for j in jobs.values() if j.stream)
+    wrote = ("no result was written" if not written else
+             f"but bucket(s) {', '.join(map(str, written))} had already been written (the step's bound said "
+             f"no value could overflow: please report this)")
+    raise NonFiniteError(f"{cfg.compressor.name}: NaN/Inf in the step's gradients; the step was refused on "
+                         f"every rank, {wrote} and {kept}: "
+                         + "; ".join(parts))
+
+
+def skip(step, comm):
+    """A compressed step that saw NaN/Inf, with ``nonfinite="skip"``: every float output
+    of the call becomes NaN on every rank (a dynamic loss scaler sees the overflow and
+    skips the optimizer step), integer tensors are still summed, no residual changes and
+    the compressor's step counter stays (the step did not happen)."""
+    cfg, plan, bk, t = step.cfg, step.entry.plan, step.entry.bk, step.tables
+    for b in plan.buckets:
+        dtype = _dt.DTYPE[b.code]
+        if b.code not in _dt.FLOAT_CODES:
+            reduce_bucket(step, comm, b, False, 1.0)
+            continue
+        if b.direct:
+            step.out_objs[int(plan.order[b.lo])][...] = dtype.type(np.nan)
+        else:
+            bk.xp.asarray(b.buffer).view(dtype)[...] = dtype.type(np.nan)
+            bk.unpack(b.buffer, step.dst, t.offsets, t.nbytes, b.lo, b.hi)
+    cfg.stats.steps += 1
+    cfg.stats.tensors += len(step.entry.names)
+    cfg.stats.buckets += len(plan.buckets)
+    return step.result

@@ -9,7 +9,7 @@ and ``block_compress`` / ``block_decompress_sum`` (1-bit's kernels when absent).
 import numpy as np
 
 from .exchange import BucketJob, Wire
-from .onebit import BlockLayout
+from ..compressors.onebit import BlockLayout
 
 
 class CodeLayout(BlockLayout):

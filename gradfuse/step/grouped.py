@@ -4,10 +4,10 @@ next buckets; and ``run_jobs``, where a step's compressed buckets go.
 
 This is the one place that posts compressed exchanges from the communication thread.
 ``run_jobs`` sends a pipelined step's (``Pipeline(pipeline_buckets=True)``, host, MPI, 2
-ranks or more, ``MPI_THREAD_MULTIPLE``: ``runtime.overlap.enabled``) buckets that go by
+ranks or more, ``MPI_THREAD_MULTIPLE``: ``step.overlap.enabled``) buckets that go by
 allgather (top-k, random-k, 1-bit and 2-bit on the allgather) or by random-k's sparse
 allreduce here, when there are at least two of them; the others (two-phase 1-bit/2-bit,
-fp16/bf16) to ``runtime.overlap.run_jobs``: the exchange thread, the 16-bit step between
+fp16/bf16) to ``step.overlap.run_jobs``: the exchange thread, the 16-bit step between
 2 hosts, or serially.
 
 A collective per bucket costs more than its bytes when the bytes are few: on ResNet-50
@@ -45,8 +45,9 @@ step raises the first error once nothing is in flight.
 """
 import time
 
-from .comm.mpi import mpi
-from .runtime import overlap as _overlap, timeline as _tl
+from . import overlap as _overlap
+from ..comm.mpi import mpi
+from ..runtime import timeline as _tl
 
 #: bytes of wire rows (this rank's) in the last group; each group before it may hold
 #: twice its successor's, up to MAX_GROUP (docs/benchmarks.md, "Pipelined buckets":
@@ -67,12 +68,12 @@ def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode, verdict
     stages are the step's). ``verdict(between)``: the step's agreement on its inputs,
     called once before the first bucket whose residual is updated in place is compressed;
     it returns whether the step is settled (cannot be refused). Pipelined (``ov``, the
-    pipeline's ``Overlap``, where ``runtime.overlap.enabled``), the ``groupable`` jobs run
+    pipeline's ``Overlap``, where ``step.overlap.enabled``), the ``groupable`` jobs run
     in exchange groups (``run``) when there are at least two groups: the ``early`` groups
     first, compressed before the verdict into spare residuals and posted, so that the link
     has work while the verdict's pass reads the inputs; in a settled step each bucket is
     decoded as soon as its group's exchange completes. The others then go to
-    ``runtime.overlap.run_jobs`` (``stream`` and ``decode``: the 16-bit buckets decoded as
+    ``step.overlap.run_jobs`` (``stream`` and ``decode``: the 16-bit buckets decoded as
     they arrive)."""
     grouped = []
     if ov is not None and _overlap.enabled(comm, device):

@@ -29,7 +29,7 @@ buckets alone runs pipelined (``_run16``): the communication thread casts part i
 bucket, or a piece of a larger one) while part i crosses, then adds and decodes it.
 
 Buckets that go by allgather or by random-k's sparse allreduce do not come here when a
-step has two or more of them: ``gradfuse.grouped`` posts their collectives from the
+step has two or more of them: ``gradfuse.step.grouped`` posts their collectives from the
 communication thread, in exchange groups, and hands the step's other buckets (two-phase,
 16-bit) to ``run_jobs``. The exchange thread then runs two-phase buckets, 16-bit ones
 between 2 hosts, and a lone allgather or sparse-allreduce bucket among them.
@@ -48,6 +48,8 @@ import time
 import weakref
 
 import numpy as np
+
+from ..runtime.watchdog import EXCHANGE_THREAD
 
 _thread_multiple = []      # [whether the process's MPI runs THREAD_MULTIPLE], once asked
 
@@ -99,7 +101,7 @@ def run_jobs(ov, comm, device, jobs, stream, compress, exchange, decode):
     is that verdict, or a function that returns it, called once): pipelined on ``ov`` (an
     ``Overlap``, or None for serial) where ``enabled`` and some job's collective is
     ``polled`` (a streamed step: every job's), else one after the other. The step's
-    buckets that ``gradfuse.grouped`` runs in exchange groups are not among ``jobs``."""
+    buckets that ``gradfuse.step.grouped`` runs in exchange groups are not among ``jobs``."""
     on = ov is not None and len(jobs) >= 2 and enabled(comm, device)
     if (on and callable(stream) and all(j.algorithm == "allreduce" and polled(j, comm) and not j.state.cur.size
                                         for j in jobs)):
@@ -264,7 +266,7 @@ class Overlap:
     has run; raises the first error (the calling thread's own first).
     """
 
-    NAME = "gradfuse-exchange"     # the threads' name (the watchdog prints their stacks)
+    NAME = EXCHANGE_THREAD     # the threads' name (the watchdog prints their stacks)
 
     def __init__(self, name=NAME):
         self.name = name
@@ -284,8 +286,11 @@ class Overlap:
 
     @staticmethod
     def _loop(q):
+        me = threading.current_thread()
         while True:
+            me.idle = True           # waiting for work: the watchdog skips its stack
             item = q.get()
+            me.idle = False
             if item is None:
                 return
             batch, fn, job = item
