@@ -1,15 +1,16 @@
 """``gradfuse.Pipeline``: fuse, agree, reduce, write back.
 
-The Pipeline API: options, the plan cache, the compressor state and its checkpoints.
+The Pipeline API: options, the compressor state and its checkpoints.
 One step of ``allreduce``:
 
-1. inputs (caller's thread, ``gradfuse.fusion.tables.read_inputs``): one C loop reads
-   every array's pointer, size, dtype and shape through the buffer protocol; other
-   arrays (DLPack, MXNet) go through ``gradfuse.fusion.intake`` first. Bad input raises
-   ``TypeError``/``ValueError`` naming the tensor; the error is still announced to the
-   other ranks, so they raise too instead of waiting.
-2. plan (cached here): the bucket layout, tables and fusion buffers are reused while
-   names, shapes and dtypes stay the same.
+1. inputs (caller's thread, ``gradfuse.fusion.tables.read_inputs``): the call's arrays
+   (and the ``out=`` arrays) in one pass: ``gradfuse.fusion.intake`` decides once what
+   kind of arrays they are, and one C loop reads every host array's pointer, size, dtype
+   and shape through the buffer protocol. Bad input raises ``TypeError``/``ValueError``
+   naming the tensor; the error is still announced to the other ranks, so they raise too
+   instead of waiting.
+2. plan (``gradfuse.fusion.cache``): the bucket layout, tables and fusion buffers are
+   reused while names, shapes and dtypes stay the same.
 3. outputs (``read_outputs``): the inputs themselves, ``out=`` or new arrays, checked.
 4. on the communication thread (``gradfuse.step``): the ranks agree on the request
    (one tiny exchange when nothing changed), then each bucket is packed (one kernel
@@ -31,51 +32,23 @@ or MPI through pinned host buffers where NCCL cannot run). The results are the C
 path's bits. All tensors of one call must be on the same device, on every rank.
 """
 import threading
-from collections import OrderedDict
 
 import numpy as np
 
 from . import config
-from . import dtypes as _dt
 from .compressors import cost
 from .compressors import momentum as _momentum
 from .compressors.policy import LayerPolicy
 from .compressors.state import CompressionState, load_npz, save_npz
 from .fusion import tables
-from .fusion.backend import HOST, CudaBackend
-from .fusion.plan import FusionPlan, parse_signature
-from .fusion.pool import OutputPool
+from .fusion.cache import PlanCache, PlanRules
 from .runtime import context as runtime
 from .runtime.control import Request
-from .step import COMPRESSIBLE, NONFINITE, Overlap, Stats, Step, StepConfig
-
-# The plan cache holds what the model's calls cycle through, not a fixed number: a plan is
-# dropped only when it has not been used for twice as many calls as the cache holds plans
-# (it is no longer part of the cycle), and only once more than _PLAN_CACHE are held. A
-# DistributedOptimizer that makes one call per aggregated group of parameters thus keeps
-# one plan per group, however many groups the model has. _PLAN_CACHE_MAX bounds callers
-# whose shapes change at every call.
-_PLAN_CACHE = 8
-_PLAN_CACHE_MAX = 4096
-
-
-class CachedPlan:
-    """A cached plan and everything derived from the same signature."""
-
-    __slots__ = ("plan", "request", "names", "shapes", "codes", "verified", "bk", "state_key", "wire",
-                 "outputs", "used")
-
-    def __init__(self, plan, request, names, shapes, codes, bk, state_key):
-        self.plan, self.request, self.names = plan, request, names
-        self.shapes, self.codes = shapes, codes
-        self.verified = None     # (input, output) pointer tables last checked for overlaps
-        self.bk = bk             # where the step runs: HOST or a CudaBackend
-        # residuals are keyed without the device, so they follow a bucket between host and GPU
-        self.state_key = state_key
-        self.wire = {}           # bucket index -> the exchange job's buffers
-        self.outputs = OutputPool()  # out-of-place results, reused when the caller let go of them
-        self.used = 0            # the pipeline's call count when this plan was last used
-
+from .step.compressed import COMPRESSIBLE
+from .step.overlap import Overlap
+from .step.run import Step, StepConfig
+from .step.stats import Stats
+from .step.verdict import NONFINITE
 
 class Pipeline:
     """Fused (and, with a compressor, compressed) gradient allreduce.
@@ -159,11 +132,11 @@ class Pipeline:
         self._lock = threading.Lock()
         self._ctx = runtime.context(comm)
         self.comm = self._ctx.comm
-        self._plans = OrderedDict()
-        self._calls = 0              # plan lookups so far (the clock of the plan cache)
         self.stats = Stats()
         self.state = CompressionState()
-        self._backends = {}          # GPU id -> CudaBackend
+        self._plans = PlanCache(PlanRules(self._policy, self._fusion_threshold, self._direct_threshold, self._average,
+                                          COMPRESSIBLE, {dev: self._request_options(dev) for dev in ("cpu", "cuda")},
+                                          self._state_options(), self.stats))
         self._cfg = StepConfig(self._ctx, self._policy, self._average, self.state, self.stats,
                                nonfinite, self._link, self._uncompressed_if_faster,
                                Overlap() if self._pipeline_buckets else None)
@@ -290,57 +263,10 @@ class Pipeline:
         return dict(self._options(), device=device)
 
     def _prepare(self, grads, out, names):
-        """The caller's half of a step: inputs, then the plan, then outputs; a ``Step``."""
-        inputs = tables.read_inputs(grads, names, writable=out is grads)
-        entry = self._entry(inputs)
+        """The caller's half of a step: inputs (with ``out=``), the plan, outputs; a ``Step``."""
+        inputs = tables.read_inputs(grads, names, out)
+        if inputs.device is not None:
+            self._ctx.claim_device(inputs.device)     # one GPU per rank, refused before the ranks agree
+        entry = self._plans.entry(inputs)
         outputs = tables.read_outputs(inputs, grads, out, entry)
         return Step(self._cfg, entry, inputs, outputs)
-
-    def _backend(self, dev):
-        """HOST, or the ``CudaBackend`` of GPU ``dev`` (made once; it compiles the kernels
-        here, before the ranks agree, so that a failure is announced)."""
-        if dev is None:
-            return HOST
-        self._ctx.claim_device(dev)
-        bk = self._backends.get(dev)
-        if bk is None:
-            bk = self._backends[dev] = CudaBackend(dev)
-        return bk
-
-    def _entry(self, inputs):
-        """The cached plan of these inputs' signature and names (built on a miss)."""
-        bk = self._backend(inputs.device)
-        key = (inputs.sig, tuple(inputs.names), bk.device, bk.device_id)
-        self._calls += 1
-        entry = self._plans.get(key)
-        if entry is not None:
-            entry.used = self._calls
-            self._plans.move_to_end(key)
-            return entry
-        names = inputs.names
-        parsed = parse_signature(inputs.sig)
-        codes = [c for c, _ in parsed]
-        shapes = [s for _, s in parsed]
-        if self.average:
-            for name, c in zip(names, codes):
-                if c not in _dt.FLOAT_CODES:
-                    raise TypeError(f"tensor {name!r}: average=True needs a float dtype, got "
-                                    f"{_dt.name(c)} (use average=False to sum integers)")
-        sizes = inputs.nbytes.tolist()
-        counts = [nb // _dt.DTYPE[c].itemsize for nb, c in zip(sizes, codes)]
-        groups = self._policy.groups(names, counts, codes, COMPRESSIBLE)
-        plan = FusionPlan(codes, sizes, self.fusion_threshold, self.direct_threshold,
-                          alloc=bk.empty_bytes, groups=groups)
-        dtypes = [_dt.name(c) for c in codes]
-        request = Request("allreduce", names, shapes, dtypes, self._request_options(bk.device))
-        state_key = Request("allreduce", names, shapes, dtypes, self._state_options()).digest.hex()
-        entry = CachedPlan(plan, request, names, shapes, codes, bk, state_key)
-        entry.used = self._calls
-        self._plans[key] = entry
-        self.stats.plans_built += 1
-        while len(self._plans) > _PLAN_CACHE:
-            oldest = next(iter(self._plans.values()))
-            if len(self._plans) <= _PLAN_CACHE_MAX and self._calls - oldest.used <= 2 * len(self._plans):
-                break                            # still in the cycle: keep it
-            self._plans.popitem(last=False)      # its fusion and wire buffers go with it
-        return entry

@@ -1,5 +1,5 @@
 """A test-only DLPack producer: capsules over any memory, built with ctypes from the
-struct definitions of ``gradfuse.fusion.intake`` (the one place they are written).
+struct definitions of ``gradfuse.fusion.dlpack`` (the one place they are written).
 
 ``make_capsule`` gives a legacy ``"dltensor"`` or a DLPack 1.x ``"dltensor_versioned"``
 capsule, with any flags and version (to test what numpy < 2 cannot produce: versioned,
@@ -13,14 +13,14 @@ import ctypes
 
 import numpy as np
 
-from gradfuse.fusion import intake
+from gradfuse.fusion import dlpack
 
 kDLCPU, kDLCUDA = 1, 2
-READ_ONLY = intake.DLPACK_FLAG_BITMASK_READ_ONLY
-IS_COPIED = intake.DLPACK_FLAG_BITMASK_IS_COPIED
+READ_ONLY = dlpack.DLPACK_FLAG_BITMASK_READ_ONLY
+IS_COPIED = dlpack.DLPACK_FLAG_BITMASK_IS_COPIED
 
 # private prototypes: setting argtypes on ctypes.pythonapi's shared function objects would
-# change them for gradfuse.fusion.intake too
+# change them for gradfuse.fusion.dlpack too
 _new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
     ("PyCapsule_New", ctypes.pythonapi))
 # the capsule destructor runs while the capsule is being freed: no Python object for it
@@ -48,15 +48,15 @@ def _deleter(mt_ptr):
     _RECORDS[addr].deleted += 1
 
 
-_DELETER = intake._DELETER(_deleter)
-_DELETER_VERSIONED = intake._DELETER_VERSIONED(_deleter)
+_DELETER = dlpack._DELETER(_deleter)
+_DELETER_VERSIONED = dlpack._DELETER_VERSIONED(_deleter)
 
 
 def _capsule_destructor(capsule):
     name = _get_name(capsule)
     if name in (b"dltensor", b"dltensor_versioned"):        # never consumed: free it here
         ptr = _get_pointer(capsule, name)
-        s = intake._DLManagedTensorVersioned if name == b"dltensor_versioned" else intake._DLManagedTensor
+        s = dlpack._DLManagedTensorVersioned if name == b"dltensor_versioned" else dlpack._DLManagedTensor
         mt = ctypes.cast(ptr, ctypes.POINTER(s))
         if mt.contents.deleter:
             mt.contents.deleter(mt)
@@ -73,12 +73,12 @@ def make_capsule(ptr, shape, dtype, strides=None, device=(kDLCPU, 0), versioned=
     shape = tuple(int(d) for d in shape)
     ndim = len(shape)
     if versioned:
-        mt = intake._DLManagedTensorVersioned()
+        mt = dlpack._DLManagedTensorVersioned()
         mt.version.major, mt.version.minor = version
         mt.flags = flags
         mt.deleter = _DELETER_VERSIONED
     else:
-        mt = intake._DLManagedTensor()
+        mt = dlpack._DLManagedTensor()
         mt.deleter = _DELETER
     c_shape = (ctypes.c_int64 * max(1, ndim))(*shape)
     c_strides = None

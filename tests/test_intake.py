@@ -256,11 +256,11 @@ def test_cuda_interface_that_raises_is_named_or_falls_back_on_dlpack():
     with pytest.raises(TypeError, match=r"tensor 'g': reading the __cuda_array_interface__ of .*RaisingCAI "
                                         r"raised RuntimeError: Can't get"):
         intake.as_array(RaisingCAI(), "g")
-    assert tables.on_device(RaisingCAI())
+    assert intake.on_device(RaisingCAI())
     a = np.arange(3, dtype=np.float32)
     p = RaisingCAIWithDLPack(a)
     assert intake.as_array(p, "g").ctypes.data == a.ctypes.data
-    assert not tables.on_device(p)          # its DLPack device says host
+    assert not intake.on_device(p)          # its DLPack device says host
 
 
 def test_unknown_object_error_names_tensor():

@@ -78,7 +78,9 @@ class BucketContext:
     """What a compressor may know about one bucket, the same on every rank.
 
     ``counts``: the element counts of the bucket's tensors, in bucket order (empty: not
-    given, the bucket is one tensor); ``n`` is their sum.
+    given, the bucket is one tensor); ``n`` is their sum. ``shapes``: the tensors' shapes,
+    in the same order (empty: not given; ``tensor_shapes`` then takes each as 1-D), for
+    formats that see a tensor as a matrix.
     """
 
     bucket: int = 0
@@ -86,6 +88,7 @@ class BucketContext:
     seed: int = 0
     device: str = "cpu"
     counts: tuple = ()
+    shapes: tuple = ()
 
     @property
     def n(self):
@@ -99,6 +102,16 @@ def tensor_counts(ctx, n):
     if sum(counts) != n:
         raise ValueError(f"the bucket has {n} elements but its tensor counts sum to {sum(counts)}")
     return counts
+
+
+def tensor_shapes(ctx, n):
+    """The bucket's tensor shapes: ``ctx.shapes``, or each tensor as 1-D (its count) when none
+    were given."""
+    counts = tensor_counts(ctx, n)
+    shapes = ctx.shapes if ctx is not None and ctx.shapes else tuple((m,) for m in counts)
+    if len(shapes) != len(counts) or any(int(np.prod(s, dtype=np.int64)) != m for s, m in zip(shapes, counts)):
+        raise ValueError(f"the bucket's tensor shapes {shapes} do not match its tensor counts {counts}")
+    return shapes
 
 
 def block_parts(ctx, n, per_word, block):

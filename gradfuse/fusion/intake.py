@@ -1,4 +1,9 @@
-"""One intake for arrays: turn any supported array into a zero-copy buffer view.
+"""One intake for arrays: what kind each of a call's arrays is, decided once; a zero-copy view.
+
+``read(objs, names, writable, outs, deferred)`` takes a call's arrays: on a GPU when its
+first array is (``on_device``), cupy views then (``device_views``); on the host every
+object that is not a numpy array becomes one (``host_views``); then one table builder
+(``gradfuse.fusion.host``, ``gradfuse.fusion.device``) reads their tables into ``Inputs``.
 
 ``as_array(obj, name)`` accepts, without copying:
 
@@ -27,83 +32,19 @@ from typing import Any, Tuple
 
 import numpy as np
 
-_kDLCPU, _kDLCUDA, _kDLCUDAHost, _kDLCUDAManaged = 1, 2, 3, 13
-GPU_DEVICE_TYPES = (_kDLCUDA, _kDLCUDAManaged)    # DLPack device types of GPU memory
-_DL_INT, _DL_UINT, _DL_FLOAT, _DL_BFLOAT = 0, 1, 2, 4
+from . import device, host
+from .call import Inputs
+from .dlpack import (
+    _kDLCPU, _kDLCUDA, _kDLCUDAHost, _kDLCUDAManaged, GPU_DEVICE_TYPES, _DL_INT, _DL_UINT, _DL_FLOAT,
+    _DLManagedTensor, _DLPackVersion, _DLManagedTensorVersioned, DLPACK_FLAG_BITMASK_READ_ONLY,
+    DLPACK_FLAG_BITMASK_IS_COPIED, DLPACK_MAJOR_VERSION, DLPACK_MAX_VERSION, _api, _LEGACY, _VERSIONED,
+    _USED, _USED_VERSIONED)
+from .. import dtypes as _dt
 
 
 def is_gpu_device(dev):
     """Whether a DLPack ``(device type, id)`` (or None) is GPU memory."""
     return dev is not None and dev[0] in GPU_DEVICE_TYPES
-
-
-class _DLDevice(ctypes.Structure):
-    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
-
-
-class _DLDataType(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
-
-
-class _DLTensor(ctypes.Structure):
-    _fields_ = [
-        ("data", ctypes.c_void_p),
-        ("device", _DLDevice),
-        ("ndim", ctypes.c_int32),
-        ("dtype", _DLDataType),
-        ("shape", ctypes.POINTER(ctypes.c_int64)),
-        ("strides", ctypes.POINTER(ctypes.c_int64)),
-        ("byte_offset", ctypes.c_uint64),
-    ]
-
-
-class _DLManagedTensor(ctypes.Structure):
-    pass
-
-
-_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
-_DLManagedTensor._fields_ = [
-    ("dl_tensor", _DLTensor),
-    ("manager_ctx", ctypes.c_void_p),
-    ("deleter", _DELETER),
-]
-
-
-class _DLPackVersion(ctypes.Structure):
-    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
-
-
-class _DLManagedTensorVersioned(ctypes.Structure):
-    """DLPack >= 1.0 (capsule name ``"dltensor_versioned"``). Only ``version``, the first
-    field, is ABI-stable across major versions: read it before anything else."""
-
-
-_DELETER_VERSIONED = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensorVersioned))
-_DLManagedTensorVersioned._fields_ = [
-    ("version", _DLPackVersion),
-    ("manager_ctx", ctypes.c_void_p),
-    ("deleter", _DELETER_VERSIONED),
-    ("flags", ctypes.c_uint64),
-    ("dl_tensor", _DLTensor),
-]
-
-DLPACK_FLAG_BITMASK_READ_ONLY = 1 << 0
-DLPACK_FLAG_BITMASK_IS_COPIED = 1 << 1
-DLPACK_MAJOR_VERSION = 1           # the versioned layout gradfuse reads (DLPack 1.x)
-DLPACK_MAX_VERSION = (1, 0)        # what gradfuse asks producers for (``max_version=``)
-
-_api = ctypes.pythonapi
-_api.PyCapsule_IsValid.restype = ctypes.c_int
-_api.PyCapsule_IsValid.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_api.PyCapsule_GetPointer.restype = ctypes.c_void_p
-_api.PyCapsule_GetPointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_api.PyCapsule_SetName.restype = ctypes.c_int
-_api.PyCapsule_SetName.argtypes = [ctypes.py_object, ctypes.c_char_p]
-
-_LEGACY, _VERSIONED = b"dltensor", b"dltensor_versioned"
-# the names a consumed capsule gets; they must outlive the capsule: keep module refs
-_USED = ctypes.c_char_p(b"used_dltensor")
-_USED_VERSIONED = ctypes.c_char_p(b"used_dltensor_versioned")
 
 
 @dataclass(frozen=True)
@@ -325,3 +266,196 @@ def as_array(obj, name="tensor"):
     raise TypeError(f"tensor {name!r}: {type(obj).__module__}.{type(obj).__qualname__} is not an array "
                     f"gradfuse can read (it needs the buffer protocol, DLPack, "
                     f"__cuda_array_interface__ or to_dlpack_for_write)")
+
+
+# --- what kind of array: decided once per call (on_device), then each taken as it is -------
+def _dlpack_device(obj):
+    """``obj.__dlpack_device__()`` as (type, id) ints; None without one or if it fails."""
+    dev = getattr(obj, "__dlpack_device__", None)
+    if dev is None:
+        return None
+    try:
+        d = dev()
+        return int(d[0]), int(d[1])
+    except Exception:
+        return None
+
+
+def _producer_device(obj):
+    """The DLPack device of a producer (``__dlpack__`` and ``__dlpack_device__``), else None."""
+    return _dlpack_device(obj) if hasattr(obj, "__dlpack__") else None
+
+
+def on_device(obj):
+    """True for GPU arrays (cupy, ``__cuda_array_interface__``, CUDA DLPack, DeviceArray)."""
+    if type(obj) is np.ndarray:
+        return False
+    if isinstance(obj, DeviceArray):
+        return True
+    dev = _producer_device(obj)
+    if dev is not None:              # a DLPack producer says where it is
+        return is_gpu_device(dev)
+    cai, cai_error = cuda_interface(obj)
+    if cai is not None:
+        return True
+    if getattr(getattr(obj, "context", None), "device_type", None) == "gpu":
+        return True         # an MXNet NDArray on a GPU (read through its DLPack capsule)
+    if is_capsule(obj):
+        return is_gpu_device(capsule_device(obj))
+    # a CUDA array interface whose property raises (PyTorch: a tensor that requires grad)
+    # still says the tensor is on a GPU; the GPU intake falls back on DLPack or names it
+    return cai_error is not None
+
+
+def read(objs, names, writable, outs=None, deferred=None):
+    """The ``Inputs`` of one call: its arrays ``objs`` and, with ``out=``, the arrays ``outs``
+    (read in the same pass), or a ``Deferred`` binding's description (``deferred``).
+
+    What kind of arrays they are is decided here, once: the call is on a GPU when its first
+    array is; on the host every object that is not a numpy array is taken as one first
+    (``host_views``: the buffer protocol, DLPack, MXNet NDArrays); on a GPU every array
+    becomes a zero-copy cupy view (``device_views``). Then one table builder reads them all
+    (``host.host_tables``: one C loop; ``device.device_tables``). ``writable``: the results
+    are written into ``objs`` (in place). Bad input raises ``TypeError``/``ValueError``
+    naming the tensor.
+    """
+    gpu = deferred is None and bool(objs) and on_device(objs[0])
+    xp, dev, out_dev = np, None, None
+    if deferred is None and not gpu:
+        objs = host_views(objs, names, "tensor")
+        if outs is not None:
+            outs = host_views(outs, names, "output")
+    if gpu:
+        xp = _cupy_for(names[0])
+        objs, dev = device_views(objs, names, writable, xp)
+        if outs is not None:
+            bad = next((n for o, n in zip(outs, names) if not on_device(o)), None)
+            if bad is not None:
+                raise TypeError(f"output {bad!r} is in host memory but the gradients are on GPU {dev}")
+            outs, out_dev = device_views(outs, names, True, xp)
+            if out_dev != dev and any(a.size for a in outs):
+                raise ValueError(f"outputs are on GPU {out_dev} but the gradients are on GPU {dev}")
+    out_tables = None
+    if deferred is not None:
+        sig, ptrs, nbytes = deferred.sig, deferred.ptrs, deferred.nbytes
+    elif gpu:
+        sig, ptrs, nbytes = device.device_tables(objs)
+        if outs is not None:
+            out_tables = device.device_tables(outs)
+    else:
+        objs, sig, ptrs, nbytes, outs, out_tables = host.host_tables(objs, names, writable, outs)
+    return Inputs(objs, names, sig, ptrs, nbytes, dev, xp, deferred, outs, out_tables)
+
+
+def _cupy_for(name):
+    """cupy, or a TypeError naming the tensor when the GPU path cannot run here."""
+    from .. import gpu
+    try:
+        cp = gpu.cupy()
+    except ImportError as e:
+        raise TypeError(f"tensor {name!r} is a CUDA array, and the GPU path needs cupy, which "
+                        f"cannot be imported ({e}); install gradfuse[cuda12] or gradfuse[cuda13]") from None
+    if not _gpu_seen[0]:
+        if not gpu.available():
+            raise TypeError(f"tensor {name!r} is a CUDA array, but cupy sees no CUDA device here")
+        _gpu_seen[0] = True
+    return cp
+
+
+_gpu_seen = [False]     # a CUDA device was seen once: no device query per step after that
+
+
+#: the types the host table builder takes as they are (anything else is taken as an array first)
+_NDARRAY = frozenset({np.ndarray})
+
+
+def host_views(objs, names, role):
+    """``objs`` with every object that is not a numpy array taken as one (``as_array``:
+    the buffer protocol, DLPack, MXNet NDArrays, zero-copy); a GPU array among host ones is
+    refused, naming it."""
+    if set(map(type, objs)) <= _NDARRAY:
+        return objs
+    objs = list(objs)
+    for i, obj in enumerate(objs):
+        if type(obj) is np.ndarray:
+            continue
+        arr = as_array(obj, names[i])
+        if isinstance(arr, DeviceArray):
+            if role == "output":
+                raise TypeError(f"output {names[i]!r} is on a GPU but the gradients are in host memory")
+            raise TypeError(f"tensor {names[i]!r} is on a GPU but tensor {names[0]!r} is in host "
+                            f"memory; all tensors of one call must be on the same device")
+        objs[i] = arr
+    return objs
+
+
+def _device_view(obj, name, first, cp):
+    """A cupy view of one GPU tensor (no copy) and whether it is read-only."""
+    from ..comm.device import as_device
+    if isinstance(obj, cp.ndarray):
+        return obj, False       # cupy's own arrays: no protocol, ordered by the caller's stream
+    readonly = False
+    cai = cai_error = dl_dev = None
+    use_dlpack = False
+    if not isinstance(obj, DeviceArray):
+        # DLPack first: __dlpack__(stream=...) makes the producer order its own work
+        # (a side stream's too) before ours; __cuda_array_interface__ may carry no
+        # stream (PyTorch's is version 2) or raise (PyTorch: requires_grad)
+        dl_dev = _producer_device(obj)
+        use_dlpack = is_gpu_device(dl_dev)
+        if not use_dlpack:
+            cai, cai_error = cuda_interface(obj)
+            if cai_error is not None:
+                if not hasattr(obj, "__dlpack__"):
+                    raise cuda_interface_error(obj, name, cai_error)
+                use_dlpack = True
+    if cai is not None:
+        return cp.asarray(obj), bool(cai["data"][1])
+    got = obj
+    if use_dlpack:
+        # the producer makes the current stream of the tensor's device wait for its work
+        # (DLPack: 1 is the legacy default stream); the ready event is recorded on that
+        # same stream
+        with cp.cuda.Device(dl_dev[1] if dl_dev is not None else cp.cuda.runtime.getDevice()):
+            stream = cp.cuda.get_current_stream().ptr or 1
+        capsule = dlpack_capsule(obj, stream=stream)
+        got = from_dlpack_capsule(capsule, name, source=obj)
+    elif not isinstance(obj, DeviceArray):
+        got = as_array(obj, name)
+    if not isinstance(got, DeviceArray):
+        raise TypeError(f"tensor {name!r} is in host memory but tensor {first!r} is on "
+                        f"a GPU; all tensors of one call must be on the same device")
+    readonly = got.readonly
+    return as_device(got), readonly
+
+
+def device_views(objs, names, writable, cp):
+    """cupy views of GPU tensors (no copies, except non-contiguous inputs) and their device.
+
+    Raises TypeError/ValueError naming the tensor: host memory mixed in, tensors on
+    different devices, unsupported dtypes, read-only or non-contiguous outputs.
+    """
+    arrays, device, first_device = [], None, None
+    for obj, name in zip(objs, names):
+        arr, readonly = _device_view(obj, name, names[0], cp)
+        if writable and readonly:
+            raise ValueError(f"tensor {name!r} is read-only; the results cannot be written into it")
+        if arr.dtype not in _dt.CODE:
+            raise TypeError(f"tensor {name!r}: dtype {arr.dtype} is not supported (supported: {_dt.SUPPORTED})")
+        if first_device is None:
+            first_device = arr.device.id
+        if arr.size and device is None:
+            device = arr.device.id
+        elif arr.size and arr.device.id != device:
+            raise ValueError(f"tensor {name!r} is on GPU {arr.device.id} but the tensors before it are on "
+                             f"GPU {device}; all tensors of one call must be on the same device")
+        if not arr.flags.c_contiguous:
+            if writable:
+                raise ValueError(f"tensor {name!r} is not C-contiguous; outputs and in-place inputs "
+                                 f"must be (use allreduce() without out=, which copies inputs)")
+            with arr.device:     # on the tensor's own device (and its current stream)
+                arr = cp.ascontiguousarray(arr)
+        arrays.append(arr)
+    if device is None:      # only empty tensors: the device they were made on
+        device = first_device if first_device is not None else cp.cuda.runtime.getDevice()
+    return arrays, device

@@ -259,8 +259,8 @@ class _OpPipeline(Pipeline):
     which option differs."""
 
     def __init__(self, op, comm):
+        self._op = op             # before the Pipeline's own set-up, which asks _request_options
         super().__init__(average=op == "average", comm=comm)
-        self._op = op
 
     def _request_options(self, device):
         return {"op": self._op, "prescale_factor": 1.0, "postscale_factor": 1.0, "size": self.comm.size,

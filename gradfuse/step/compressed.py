@@ -51,6 +51,10 @@ def compressed_jobs(step, comm, divisor):
         # the tensors' element counts: per-tensor formats (1-bit blocks, top-k/random-k's k
         # per tensor) depend on them, and every rank has the same
         counts = tuple(cnt[b.lo:b.hi].tolist())
+        shapes = entry.wire.get(("shapes", b.index))
+        if shapes is None:       # the tensors' shapes (a format may see a tensor as a matrix), once per plan
+            shapes = entry.wire[("shapes", b.index)] = tuple(entry.shapes[i] for i in
+                                                             entry.plan.order[b.lo:b.hi].tolist())
         job = job_class(comp, b.count, comm.size, link=cfg.link, counts=counts)
         if cfg.only_if_faster and b.code == _F32 and not pays(comp, job.algorithm, b.count, comm.size, cfg.link,
                                                                counts):
@@ -61,7 +65,8 @@ def compressed_jobs(step, comm, divisor):
                                 velocity=b.count if with_velocity else 0,
                                 single=bk.device == "cpu" and not with_velocity)
         task = BucketTask(comm=comm, compressor=comp, bucket=b, src=src, dst=dst, residual=residual,
-                          ctx=BucketContext(bucket=b.index, step=state.step, device=bk.device, counts=counts),
+                          ctx=BucketContext(bucket=b.index, step=state.step, device=bk.device, counts=counts,
+                                            shapes=shapes),
                           divisor=divisor, cache=entry.wire.setdefault(b.index, {}), stats=cfg.stats,
                           backend=bk, scratch=entry.wire.setdefault("scratch", {}))
         jobs[b.index] = job(task)

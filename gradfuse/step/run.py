@@ -13,7 +13,7 @@ from .plain import plain_velocity, reduce_bucket, reduce_rows, rows_buckets, unc
 from .verdict import NONFINITE, check_finite, halves_cannot_fail, input_bound, plan_step, settle_bounds, skip  # noqa: F401
 from .. import dtypes as _dt
 from ..fusion.deferred import view_at
-from ..fusion.tables import as_ndarray
+from ..fusion.host import as_ndarray
 from ..runtime import timeline as _tl
 from ..runtime.control import Request
 
