@@ -209,7 +209,7 @@ def test_momentum_correction_is_mapped_or_refused(tmp_path):
     assert (on.label, off.label, default.label) == ("1bit EF +MC", "1bit EF -MC", "1bit EF")
     params = inspect.signature(hvd.DistributedTrainer).parameters
     assert G.correction_options(default, params) == {}
-    if "momentum_correction" in params:           # issue 14's trainer: the axis is its keyword
+    if "momentum_correction" in params:           # the trainer has the axis as its keyword
         assert G.correction_options(on, params) == {"momentum_correction": True}
         assert G.correction_options(off, params) == {"momentum_correction": False}
         return
@@ -220,9 +220,9 @@ def test_momentum_correction_is_mapped_or_refused(tmp_path):
     else:                                         # a compressor option without the trainer's
         assert G.correction_options(on, params) == {"momentum": 0.9}
         return
-    # before issue 14: "on" is refused, never run without the correction
+    # a gradfuse without the correction: "on" is refused, never run without it
     assert G.correction_options(off, params) == {}
-    with pytest.raises(G.UnsupportedError, match=r"momentum correction.*does not support it.*issue 14"):
+    with pytest.raises(G.UnsupportedError, match=r"momentum correction.*does not support it.*refused"):
         G.correction_options(on, params)
     cfg = write_grid(tmp_path / "mc.toml", """
 name = "mc"
@@ -238,7 +238,7 @@ methods = [{compress = "1bit"}, {compress = "none", momentum_correction = "defau
     code, log = cli("--grid", cfg, "--out", str(tmp_path / "out"), "--methods", "1bit EF +MC", "--no-plots")
     assert code == 1 and "REFUSED run digits-1bit-EF--MC-s0-w2" in log and "does not support it" in log, log
     runs = read_csv(tmp_path / "out" / "runs.csv")
-    assert runs[0]["status"] == "refused" and "issue 14" in runs[0]["error"]
+    assert runs[0]["status"] == "refused" and "refused rather than run" in runs[0]["error"]
 
 
 # --- the grid and its errors ------------------------------------------------------------

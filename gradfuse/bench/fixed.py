@@ -1,4 +1,4 @@
-"""Fixed-gradient accuracy of the lossy compressors (issue 14's acceptance figures).
+"""Fixed-gradient accuracy of the lossy compressors.
 
 Every rank r has one fixed gradient: a 10000-element N(0, 1) tensor ``big`` and a 37x53
 tensor ``small`` of N(0, 0.01^2), fused in one bucket. With error feedback, what a step
@@ -21,7 +21,7 @@ import numpy as np
 
 SHAPES = {"big": (10000,), "small": (37, 53)}
 SCALES = {"big": 1.0, "small": 0.01}
-# (compressor, options, steps): the acceptance settings of issue 14 (topk/randomk at 1 %)
+# (compressor, options, steps): the settings of docs/experiments.md (topk/randomk at 1 %)
 ACCEPTANCE = [("1bit", {}, 300, 0.05), ("topk", {"ratio": 0.01}, 3000, 0.05),
               ("randomk", {"ratio": 0.01}, 3000, 0.08)]
 

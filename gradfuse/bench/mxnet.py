@@ -1,4 +1,4 @@
-"""gradfuse.mxnet beside Horovod 0.28.1, gradfuse.Pipeline and per-tensor MPI (issue 15).
+"""gradfuse.mxnet beside Horovod 0.28.1, gradfuse.Pipeline and per-tensor MPI.
 
     mpiexec -n 2 python -m gradfuse.bench mxnet --rounds 7 --sets resnet50,small
     python -m gradfuse.bench mxnet            # one rank: the per-tensor cost, no network
@@ -29,7 +29,7 @@ bytes)) / 2000, on a one-rank process set of each rank (``ProcessSet(MPI.COMM_SE
 so no network time is in it; Pipeline's beside it.
 
 Every method is checked once against ``MPI.Allreduce`` before timing. Nothing here
-asserts a target; the targets of issue 15 are printed beside the ratios.
+asserts a target; the targets of docs/benchmarks.md are printed beside the ratios.
 """
 import argparse
 import os

@@ -226,7 +226,7 @@ class MPICommunicator(Communicator):
         peer's half r straight into ``dst``, adds its own half there, then the two ranks
         swap their summed halves. Every element is one IEEE add of the same two values, so
         both ranks get the bits of ``MPI_Allreduce`` (a + b == b + a). The measured gain
-        over MPI's out-of-place call is in docs/benchmarks.md (issue 15)."""
+        over MPI's out-of-place call is in docs/benchmarks.md."""
         x, y = src.reshape(-1), dst.reshape(-1)
         half = (x.size + 1) // 2
         me, peer = self.rank, 1 - self.rank

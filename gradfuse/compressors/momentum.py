@@ -1,7 +1,8 @@
 """DGC's momentum correction and sparsity warm-up (Lin et al., Deep Gradient Compression, 2018).
 
 **Momentum correction.** Error feedback on the raw gradient, with the optimizer's momentum
-applied after the exchange, diverges for the quantizers at momentum 0.9 (issue 14). DGC
+applied after the exchange, diverges for the quantizers at momentum 0.9
+(docs/experiments.md). DGC
 moves the momentum in front of the compressor: every rank keeps its own velocity, error
 feedback accumulates the velocity, and the optimizer then runs without momentum. Per rank
 and bucket, with velocity ``u`` and residual ``e`` (both zero at the start), float32::

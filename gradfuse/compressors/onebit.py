@@ -26,10 +26,10 @@ sent, decoded by the receivers' kernel, as 1-bit Adam does with its momentum (Ta
 ranks' velocities is the update every rank applies (two-phase: before the server's
 recompression), and what 1-bit failed to send stays in
 the residual alone instead of also staying in the velocity. ``velocity="local"`` keeps
-DGC's form (the velocity never sees the compressor), which on the digits CNN at momentum
-0.9 lags fp32 by 3.3 points and lets the residual grow to 4-45x the velocity
-(docs/experiments.md). Nesterov (NAG) keeps DGC's form: the compressor reads
-``m * u + g``, not the velocity.
+DGC's form (the velocity never sees the compressor): the part of ``c`` that 1-bit leaves
+unsent then stays in both the residual and the velocity, and the residual grows well
+beyond the velocity (docs/experiments.md, "1-bit and the velocity"). Nesterov (NAG) keeps
+DGC's form: the compressor reads ``m * u + g``, not the velocity.
 """
 import numpy as np
 

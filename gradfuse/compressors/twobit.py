@@ -17,7 +17,7 @@ c >= T, -T if c <= -T, else 0; 4 values per byte, element j in bits 2*(j % 4)..+
 j // 4 (LSB first); ceil(n/4) bytes; T is not sent (the ranks agree on it). Kept for
 MXNet compatibility (``set_gradient_compression({'type': '2bit', 'threshold': 0.5})``):
 an absolute threshold clips every element above T and starves the ones below it, so it
-trains only where T suits every tensor (docs/experiments.md, issue 14). Allgather only.
+trains only where T suits every tensor (docs/experiments.md). Allgather only.
 """
 import numpy as np
 

@@ -1,5 +1,5 @@
 """The built-in grids: ``quick`` (CI, about 1 minute), ``default`` (docs/experiments.md, about
-11 minutes on 2 idle cores) and ``acceptance`` (issue 14's full acceptance grid, about 45).
+11 minutes on 2 idle cores) and ``acceptance`` (the full training-fidelity grid, about 45).
 
 Every experiment gives all its methods the same hyperparameters. The networks train at
 the settings users train with (SGD, momentum 0.9, lr 0.1, batch 32 per rank, 2 ranks,
@@ -16,7 +16,7 @@ NETS = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "wd": 0.0, "batch_size":
 TABLE1 = [{"compress": "none"}, {"compress": "fp16"}, {"compress": "bf16"},
           {"compress": "1bit", "error_feedback": [True, False]}, {"compress": "2bit"},
           {"compress": "topk", "ratio": 0.01}, {"compress": "randomk", "ratio": 0.01}]
-# issue 14's MLP rows
+# the MLP's rows
 MLP_METHODS = [{"compress": "none"}, {"compress": "fp16"}, {"compress": "bf16"}, {"compress": "1bit"},
                {"compress": "2bit"}]
 COUNTER_METHODS = [{"compress": "none"}, {"compress": "1bit", "error_feedback": [True, False]}]
@@ -56,7 +56,7 @@ DEFAULT = {
 
 ACCEPTANCE = {
     "name": "acceptance",
-    "description": "Issue 14's acceptance grid: digits CNN 30 epochs x 5 seeds x table 1's rows, and the "
+    "description": "The training-fidelity grid: digits CNN 30 epochs x 5 seeds x table 1's rows, and the "
                    "MLP on make_classification (100k samples, 25k test) 10 epochs x 5 seeds.",
     "defaults": dict(NETS, seeds=[0, 1, 2, 3, 4]),
     "experiments": [

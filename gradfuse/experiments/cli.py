@@ -2,7 +2,7 @@
 
     gradfuse-experiments --quick                     # CI smoke grid, under 2 minutes
     gradfuse-experiments                             # the default grid: docs/experiments.md
-    gradfuse-experiments --grid acceptance           # issue 14's full acceptance grid
+    gradfuse-experiments --grid acceptance           # the full training-fidelity grid
     gradfuse-experiments --grid my.toml --out runs/  # your own grid (see --print-grid)
 
 Results go to ``experiments-out/<grid name>/`` unless ``--out`` says otherwise; a second

@@ -275,8 +275,8 @@ def correction_options(spec, trainer_params=(), compressors=None):
     """Trainer keywords that realise ``spec.momentum_correction``, or ``UnsupportedError``.
 
     DGC's momentum correction (each worker's velocity is what error feedback compresses;
-    the optimizer then runs without momentum) is issue 14's. This is the one place that
-    maps the grid's axis to the library, and it asks the library what it supports:
+    the optimizer then runs without momentum). This is the one place that maps the grid's
+    axis to the library, and it asks the library what it supports:
 
     * ``"default"``: nothing is passed; whatever gradfuse does by default.
     * a ``DistributedTrainer`` with a ``momentum_correction`` parameter (its name in
@@ -307,8 +307,7 @@ def correction_options(spec, trainer_params=(), compressors=None):
             f"run {spec.id}: momentum correction was asked for (momentum_correction='on', momentum="
             f"{spec.momentum}) but this gradfuse does not support it: DistributedTrainer has no "
             f"'momentum_correction' parameter and compressor {spec.compress!r} takes no 'momentum' option "
-            f"({exc}). DGC's momentum correction is issue 14; the run is refused rather than run "
-            f"without it.") from None
+            f"({exc}); the run is refused rather than run without it.") from None
     return {"momentum": spec.momentum} if mode == "on" else {}
 
 

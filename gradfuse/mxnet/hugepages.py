@@ -5,7 +5,7 @@ numpy advises the kernel to back every array of 4 MiB or more with transparent h
 CPU allocator does not, so its arrays sit on 4 KiB pages. MPI's shared-memory copies over
 them ran about 10 % slower (ResNet-50's 102 MB on 2 ranks: ``Pipeline.allreduce_`` on views
 of MXNet's memory 45.1 ms, on numpy's 40.8 ms, on MXNet's after this advice 39.9 ms:
-docs/benchmarks.md, issue 15). So, the first time a collective of this binding sees an
+docs/benchmarks.md). So, the first time a collective of this binding sees an
 array of at least ``MIN_BYTES``, the whole 2 MiB pages inside it are advised
 ``MADV_HUGEPAGE`` and collapsed at once with ``MADV_COLLAPSE`` (Linux 6.1 on; elsewhere
 the kernel's khugepaged collapses them in its own time, or nothing happens). The advice

@@ -230,5 +230,5 @@ class Step:
 def negotiate(step):
     """Every rank agrees on the request and the step tag, or every rank raises."""
     cfg = step.cfg
-    with _tl.stage("negotiate", "allreduce", step.entry.names):      # the timeline (issue 15)
+    with _tl.stage("negotiate", "allreduce", step.entry.names):      # the timeline's span
         cfg.ctx.coordinator.negotiate(step.entry.request, cfg.step_tag())
