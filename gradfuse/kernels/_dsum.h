@@ -56,34 +56,38 @@ GF_Q_AVX2 static GF_Q_INLINE __m256 gf_q_dec8(const int bits, gf_q_rank8 t, uint
 
 /* One block of p payloads summed and divided in registers (rank r's words at words +
  * r * wstride, its float vals[r * vstride]): the same operations in the same order as the
- * scalar decode per rank then the divide, one write of d. A word (32 / bits elements, 8 at
- * a time) per step; the block's last word, when short, goes through the scalar decoder
- * (the same operations again). BITS, MODE, NT and P2 (p == 2) are constants in each
- * instance (gf_q_dsum_width). */
+ * scalar decode per rank then the divide, one write of d. A word (32 / bits elements, in
+ * vectors of 8) per step, rank after rank: a rank's constants and word are read once per
+ * word, not once per vector. The block's last word, when short, goes through the scalar
+ * decoder (the same operations again). BITS, MODE, NT and P2 (p == 2) are constants in
+ * each instance (gf_q_dsum_width). */
 GF_Q_AVX2 static GF_Q_INLINE void gf_q_dsum_body(const int bits, const uint32_t* words, int64_t wstride,
                                                 const float* vals, int64_t vstride, int64_t p,
                                                 int64_t cnt, float* d, const int mode, float f,
                                                 const int nt, const int p2)
 {
     const int lg = bits == 1 ? 5 : 4;         /* log2 of the codes per word */
+    const int nv = (1 << lg) / 8;             /* vectors per word */
     const int64_t nfull = cnt >> lg;          /* whole words */
     const __m256 vf = _mm256_set1_ps(f);
     const gf_q_rank8 t0 = gf_q_rank8_of(bits, vals[0]);
     const gf_q_rank8 t1 = gf_q_rank8_of(bits, p2 ? vals[vstride] : 0.0f);
     for (int64_t i = 0; i < nfull; i++) {
-        const uint32_t w0 = words[i], w1 = p2 ? words[wstride + i] : 0u;
-        float* di = d + (i << lg);
-        for (int q = 0; q < (1 << lg) / 8; q++) {
-            __m256 acc = gf_q_dec8(bits, t0, w0, q);
-            if (p2) {
-                acc = _mm256_add_ps(acc, gf_q_dec8(bits, t1, w1, q));
-            } else {
-                for (int64_t r = 1; r < p; r++)
-                    acc = _mm256_add_ps(acc, gf_q_dec8(bits, gf_q_rank8_of(bits, vals[r * vstride]),
-                                                       words[r * wstride + i], q));
+        __m256 acc[4];                        /* nv <= 4 */
+        const uint32_t w0 = words[i];
+        for (int q = 0; q < nv; q++) acc[q] = gf_q_dec8(bits, t0, w0, q);
+        if (p2) {
+            const uint32_t w1 = words[wstride + i];
+            for (int q = 0; q < nv; q++) acc[q] = _mm256_add_ps(acc[q], gf_q_dec8(bits, t1, w1, q));
+        } else {
+            for (int64_t r = 1; r < p; r++) {
+                const gf_q_rank8 t = gf_q_rank8_of(bits, vals[r * vstride]);
+                const uint32_t w = words[r * wstride + i];
+                for (int q = 0; q < nv; q++) acc[q] = _mm256_add_ps(acc[q], gf_q_dec8(bits, t, w, q));
             }
-            gf_q_put8(di + 8 * q, gf_q_div8(acc, mode, vf), nt);
         }
+        float* di = d + (i << lg);
+        for (int q = 0; q < nv; q++) gf_q_put8(di + 8 * q, gf_q_div8(acc[q], mode, vf), nt);
     }
     const int64_t k = nfull << lg;
     if (k < cnt) {
