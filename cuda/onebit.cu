@@ -29,74 +29,8 @@
 
 #define GF_OB_REGS 32
 
-__device__ __forceinline__ float gf_abs(float x)
-{
-    return __uint_as_float(__float_as_uint(x) & 0x7fffffffu);   // fabsf: clear the sign bit
-}
-
-__device__ __forceinline__ int gf_nonfinite(float x)
-{
-    return (__float_as_uint(x) & 0x7fffffffu) >= 0x7f800000u;
-}
-
 // ------------------------------------------------------------------ compress
-
-// Where 1-bit block g lies: its first element x (the tensor's memory), its bucket position
-// epos (for the residuals), its element count and its first payload word.
-struct gf_ob_block {
-    const float* x;
-    gf_i64 epos, count, wpos;
-};
-
-// One contiguous array: blocks of B from element 0.
-struct gf_ob_array {
-    const float* x;
-    gf_i64 n;
-    __device__ __forceinline__ gf_ob_block at(gf_i64 g, gf_i64 block) const
-    {
-        gf_ob_block r;
-        r.epos = g * block;
-        r.x = x + r.epos;
-        r.count = n - r.epos < block ? n - r.epos : block;
-        r.wpos = r.epos >> 5;
-        return r;
-    }
-};
-
-// Rows lo..hi-1 of a table (dense offsets); bstart/wstart: R + 1 prefix sums (R = hi - lo)
-// of the rows' ceil(count/B) blocks and ceil(count/32) words.
-struct gf_ob_table {
-    const gf_i64* ptrs;
-    const gf_i64* offsets;
-    const gf_i64* counts;
-    const gf_i64* bstart;
-    const gf_i64* wstart;
-    gf_i64 lo, hi;
-    __device__ __forceinline__ gf_ob_block at(gf_i64 g, gf_i64 block) const
-    {
-        // last i with bstart[i] <= g: empty rows share bstart with the next row, so this
-        // is the row that holds block g (g < bstart[R])
-        gf_i64 a = 0, b = hi - lo - 1;
-        while (a < b) {
-            gf_i64 m = a + ((b - a + 1) >> 1);
-            if (bstart[m] <= g) a = m; else b = m - 1;
-        }
-        const gf_i64 row = lo + a, k0 = (g - bstart[a]) * block;
-        gf_ob_block r;
-        r.x = (const float*)ptrs[row] + k0;
-        r.epos = offsets[row] + k0;
-        r.count = counts[row] - k0 < block ? counts[row] - k0 : block;
-        r.wpos = wstart[a] + (k0 >> 5);
-        return r;
-    }
-};
-
-// c of element k of a block: x[k] + e_in[epos + k] (float32 add), or x[k]
-__device__ __forceinline__ float gf_ob_c(const gf_ob_block& bl, const float* e_in, gf_i64 k)
-{
-    float g = bl.x[k];
-    return e_in ? __fadd_rn(g, e_in[bl.epos + k]) : g;
-}
+// (gf_q_array, gf_q_table, gf_q_c, gf_abs, gf_nonfinite: common.cuh)
 
 template <class Src>
 __device__ __forceinline__ void gf_onebit_compress_body(const Src& src, gf_i64 nblocks, const float* e_in,
@@ -106,7 +40,7 @@ __device__ __forceinline__ void gf_onebit_compress_body(const Src& src, gf_i64 n
     const int lane = threadIdx.x & 31;
     const gf_i64 b = (gf_i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b >= nblocks) return;                       // whole warp leaves together
-    const gf_ob_block bl = src.at(b, block);
+    const gf_q_block bl = src.at(b, block);
     const gf_i64 count = bl.count;
     const gf_i64 nw = (count + 31) >> 5;            // words of this block
     const bool regs = nw <= GF_OB_REGS;
@@ -121,7 +55,7 @@ __device__ __forceinline__ void gf_onebit_compress_body(const Src& src, gf_i64 n
             if (i < nw) {
                 gf_i64 k = (gf_i64)i * 32 + lane;
                 if (k < count) {
-                    r[i] = gf_ob_c(bl, e_in, k);
+                    r[i] = gf_q_c(bl, e_in, k);
                     acc = __fadd_rn(acc, gf_abs(r[i]));
                 }
             }
@@ -129,7 +63,7 @@ __device__ __forceinline__ void gf_onebit_compress_body(const Src& src, gf_i64 n
     } else {
         for (gf_i64 i = 0; i < nw; i++) {
             gf_i64 k = i * 32 + lane;
-            if (k < count) acc = __fadd_rn(acc, gf_abs(gf_ob_c(bl, e_in, k)));
+            if (k < count) acc = __fadd_rn(acc, gf_abs(gf_q_c(bl, e_in, k)));
         }
     }
     // 2) tree 16, 8, 4, 2, 1: lane[i] = lane[i] + lane[i + off]
@@ -160,7 +94,7 @@ __device__ __forceinline__ void gf_onebit_compress_body(const Src& src, gf_i64 n
         for (gf_i64 i = 0; i < nw; i++) {
             gf_i64 k = i * 32 + lane;
             bool in = k < count;
-            float x = in ? gf_ob_c(bl, e_in, k) : 0.0f;
+            float x = in ? gf_q_c(bl, e_in, k) : 0.0f;
             bool pos = in && x >= 0.0f;
             gf_u32 w = __ballot_sync(GF_FULL, pos);
             if (lane == 0) wb[i] = w;
@@ -180,7 +114,7 @@ extern "C" __global__ void gf_onebit_compress_array(const float* x, gf_i64 n, co
                                                     float* e_out, gf_i64 block, gf_u32* bits,
                                                     float* scales, gf_u64* bad)
 {
-    gf_ob_array src;
+    gf_q_array<1> src;
     src.x = x;
     src.n = n;
     gf_onebit_compress_body(src, (n + block - 1) / block, e_in, e_out, block, bits, scales, bad);
@@ -193,7 +127,7 @@ extern "C" __global__ void gf_onebit_compress_table(const gf_i64* ptrs, const gf
                                                     gf_i64 block, gf_u32* bits, float* scales,
                                                     gf_u64* bad)
 {
-    gf_ob_table src;
+    gf_q_table<1> src;
     src.ptrs = ptrs; src.offsets = offsets; src.counts = counts;
     src.bstart = bstart; src.wstart = wstart; src.lo = lo; src.hi = hi;
     gf_onebit_compress_body(src, nblocks, e_in, e_out, block, bits, scales, bad);
@@ -201,30 +135,12 @@ extern "C" __global__ void gf_onebit_compress_table(const gf_i64* ptrs, const gf
 
 // ------------------------------------------------------------------ decompress-sum
 
-// Divisor modes, chosen on the host exactly as _quant.h's gf_q_divide does:
-// 0: divisor == 1.0, nothing; 1: x / f; 2: x * r (f a power of two with an exact
-// reciprocal r: the same correctly rounded result, and the CPU's choice).
-__device__ __forceinline__ float gf_apply_div(float x, int mode, float f)
-{
-    if (mode == 1) return __fdiv_rn(x, f);
-    if (mode == 2) return __fmul_rn(x, f);         // f holds the reciprocal here
-    return x;
-}
-
-// Decoded sum of one element (bit sh of word w, scale b of every row): ((v_0 + v_1) + ...)
-// from v_0, then divided.
-__device__ __forceinline__ float gf_onebit_sum(const gf_u32* bits, gf_i64 wstride,
-                                               const float* scales, gf_i64 sstride, gf_i64 p,
-                                               gf_i64 w, gf_u32 sh, gf_i64 b, int mode, float f)
-{
-    float acc = 0.0f;
-    for (gf_i64 r = 0; r < p; r++) {
-        float s = scales[r * sstride + b];
-        float v = (bits[r * wstride + w] >> sh) & 1u ? s : -s;
-        acc = r == 0 ? v : __fadd_rn(acc, v);
-    }
-    return gf_apply_div(acc, mode, f);
-}
+// The 1-bit decoder: bit 1 -> +s, 0 -> -s (gf_q_dsum_array / gf_q_dsum_table in common.cuh
+// are the driver: the element's word and block, the sum over the rows, the divide).
+struct gf_ob_decoder {
+    enum { BITS = 1 };
+    static __device__ __forceinline__ float value(gf_u32 c, float s) { return c & 1u ? s : -s; }
+};
 
 // bits: p rows of wstride words, scales: p rows of sstride floats (row r = rank r); one
 // array: element j in bit j % 32 of word j / 32, scale j / block.
@@ -233,14 +149,11 @@ extern "C" __global__ void gf_onebit_decompress_sum_array(const gf_u32* bits, gf
                                                           gf_i64 p, gf_i64 block, float* out,
                                                           gf_i64 n, int mode, float f)
 {
-    gf_i64 stride = (gf_i64)gridDim.x * blockDim.x;
-    for (gf_i64 j = (gf_i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride)
-        out[j] = gf_onebit_sum(bits, wstride, scales, sstride, p, j >> 5, (gf_u32)(j & 31), j / block,
-                               mode, f);
+    gf_q_dsum_array<gf_ob_decoder>(bits, wstride, scales, sstride, p, block, out, n, mode, f);
 }
 
-// Table rows on blockIdx.y (strided by gridDim.y), the row's elements on blockIdx.x: element
-// k of row i in bit k % 32 of word wstart[i - lo] + k / 32, scale bstart[i - lo] + k / block.
+// Table rows on blockIdx.y, the row's elements on blockIdx.x: element k of row i in bit
+// k % 32 of word wstart[i - lo] + k / 32, scale bstart[i - lo] + k / block.
 extern "C" __global__ void gf_onebit_decompress_sum_table(const gf_u32* bits, gf_i64 wstride,
                                                           const float* scales, gf_i64 sstride,
                                                           gf_i64 p, gf_i64 block,
@@ -248,13 +161,6 @@ extern "C" __global__ void gf_onebit_decompress_sum_table(const gf_u32* bits, gf
                                                           gf_i64 lo, gf_i64 hi, const gf_i64* bstart,
                                                           const gf_i64* wstart, int mode, float f)
 {
-    gf_i64 tid = (gf_i64)blockIdx.x * blockDim.x + threadIdx.x;
-    gf_i64 stride = (gf_i64)gridDim.x * blockDim.x;
-    for (gf_i64 i = lo + blockIdx.y; i < hi; i += gridDim.y) {
-        gf_i64 m = counts[i], w0 = wstart[i - lo], b0 = bstart[i - lo];
-        float* d = (float*)ptrs[i];
-        for (gf_i64 k = tid; k < m; k += stride)
-            d[k] = gf_onebit_sum(bits, wstride, scales, sstride, p, w0 + (k >> 5), (gf_u32)(k & 31),
-                                 b0 + k / block, mode, f);
-    }
+    gf_q_dsum_table<gf_ob_decoder>(bits, wstride, scales, sstride, p, block, ptrs, counts, lo, hi,
+                                   bstart, wstart, mode, f);
 }

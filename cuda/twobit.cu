@@ -35,7 +35,7 @@ __device__ __forceinline__ void gf_twobit_compress_body(Src& src, gf_i64 n, cons
             float x = e_in ? __fadd_rn(g, e_in[j]) : g;
             bool ge = x >= t, le = x <= nt;          // NaN: both false -> code 0
             code = (gf_u32)ge | ((gf_u32)le << 1);
-            nonfinite = (__float_as_uint(x) & 0x7fffffffu) >= 0x7f800000u;
+            nonfinite = gf_nonfinite(x);
             if (e_out) {
                 float q = ge ? t : 0.0f;             // t > 0: at most one of the two holds
                 q = le ? nt : q;
@@ -72,14 +72,7 @@ extern "C" __global__ void gf_twobit_compress_table(const gf_i64* ptrs, const gf
     gf_twobit_compress_body(src, n, e_in, e_out, t, codes, bad);
 }
 
-// Divisor modes (host-chosen like _quant.h's gf_q_divide): 0 none, 1 x / f, 2 x * f
-// (f then holds the exact reciprocal of a power-of-two divisor).
-__device__ __forceinline__ float gf_apply_div(float x, int mode, float f)
-{
-    if (mode == 1) return __fdiv_rn(x, f);
-    if (mode == 2) return __fmul_rn(x, f);
-    return x;
-}
+// gf_apply_div (the divisor modes): common.cuh
 
 // ((v_0 + v_1) + ...) from v_0 in rank order; codes 00 and 11 -> 0.0f, 01 -> +t, 10 -> -t
 __device__ __forceinline__ float gf_twobit_sum(const gf_u8* codes, gf_i64 stride, gf_i64 p,
@@ -138,61 +131,7 @@ extern "C" __global__ void gf_twobit_decompress_sum_table(const gf_u8* codes, gf
 // (e_in == e_out) each element's residual is written by the lane that read it, in the
 // last pass.
 
-struct gf_tbb_block {
-    const float* x;
-    gf_i64 epos, count, wpos;
-};
-
-struct gf_tbb_array {
-    const float* x;
-    gf_i64 n;
-    __device__ __forceinline__ gf_tbb_block at(gf_i64 g, gf_i64 block) const
-    {
-        gf_tbb_block r;
-        r.epos = g * block;
-        r.x = x + r.epos;
-        r.count = n - r.epos < block ? n - r.epos : block;
-        r.wpos = r.epos >> 4;
-        return r;
-    }
-};
-
-// Rows lo..hi-1 of a table (dense offsets); bstart/wstart: R + 1 prefix sums of the rows'
-// ceil(count/B) blocks and ceil(count/16) words.
-struct gf_tbb_table {
-    const gf_i64* ptrs;
-    const gf_i64* offsets;
-    const gf_i64* counts;
-    const gf_i64* bstart;
-    const gf_i64* wstart;
-    gf_i64 lo, hi;
-    __device__ __forceinline__ gf_tbb_block at(gf_i64 g, gf_i64 block) const
-    {
-        gf_i64 a = 0, b = hi - lo - 1;
-        while (a < b) {
-            gf_i64 m = a + ((b - a + 1) >> 1);
-            if (bstart[m] <= g) a = m; else b = m - 1;
-        }
-        const gf_i64 row = lo + a, k0 = (g - bstart[a]) * block;
-        gf_tbb_block r;
-        r.x = (const float*)ptrs[row] + k0;
-        r.epos = offsets[row] + k0;
-        r.count = counts[row] - k0 < block ? counts[row] - k0 : block;
-        r.wpos = wstart[a] + (k0 >> 4);
-        return r;
-    }
-};
-
-__device__ __forceinline__ float gf_tbb_c(const gf_tbb_block& bl, const float* e_in, gf_i64 k)
-{
-    float g = bl.x[k];
-    return e_in ? __fadd_rn(g, e_in[bl.epos + k]) : g;
-}
-
-__device__ __forceinline__ float gf_tbb_abs(float x)
-{
-    return __uint_as_float(__float_as_uint(x) & 0x7fffffffu);
-}
+// gf_q_array, gf_q_table, gf_q_c, gf_abs, gf_nonfinite: common.cuh
 
 // bit i of m moved to bit 2i, for the low 16 bits of m
 __device__ __forceinline__ gf_u32 gf_tbb_spread16(gf_u32 m)
@@ -221,7 +160,7 @@ __device__ __forceinline__ void gf_twobit_block_body(const Src& src, gf_i64 nblo
     const int lane = threadIdx.x & 31;
     const gf_i64 b = (gf_i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
     if (b >= nblocks) return;                       // whole warp leaves together
-    const gf_tbb_block bl = src.at(b, block);
+    const gf_q_block bl = src.at(b, block);
     const gf_i64 count = bl.count;
     const gf_i64 ng = (count + 31) >> 5;            // groups of 32 elements
 
@@ -229,7 +168,7 @@ __device__ __forceinline__ void gf_twobit_block_body(const Src& src, gf_i64 nblo
     float acc = 0.0f;
     for (gf_i64 i = 0; i < ng; i++) {
         gf_i64 k = i * 32 + lane;
-        if (k < count) acc = __fadd_rn(acc, gf_tbb_abs(gf_tbb_c(bl, e_in, k)));
+        if (k < count) acc = __fadd_rn(acc, gf_abs(gf_q_c(bl, e_in, k)));
     }
     const float s = __fdiv_rn(gf_tbb_tree(acc), (float)count);
     const float t = __fmul_rn(s, factor), nt = -t;
@@ -241,9 +180,9 @@ __device__ __forceinline__ void gf_twobit_block_body(const Src& src, gf_i64 nblo
         gf_i64 k = i * 32 + lane;
         bool on = false;
         if (k < count) {
-            float x = gf_tbb_c(bl, e_in, k);
+            float x = gf_q_c(bl, e_in, k);
             on = (x > 0.0f && x >= t) || (x < 0.0f && x <= nt);
-            if (on) sel = __fadd_rn(sel, gf_tbb_abs(x));
+            if (on) sel = __fadd_rn(sel, gf_abs(x));
         }
         nsel += __popc(__ballot_sync(GF_FULL, on));
     }
@@ -256,7 +195,7 @@ __device__ __forceinline__ void gf_twobit_block_body(const Src& src, gf_i64 nblo
     for (gf_i64 i = 0; i < ng; i++) {
         gf_i64 k = i * 32 + lane;
         bool in = k < count;
-        float x = in ? gf_tbb_c(bl, e_in, k) : 0.0f;
+        float x = in ? gf_q_c(bl, e_in, k) : 0.0f;
         bool pos = in && x > 0.0f && x >= t;
         bool neg = in && x < 0.0f && x <= nt;
         gf_u32 pm = __ballot_sync(GF_FULL, pos), nm = __ballot_sync(GF_FULL, neg);
@@ -269,7 +208,7 @@ __device__ __forceinline__ void gf_twobit_block_body(const Src& src, gf_i64 nblo
     }
     if (lane == 0) {
         values[b] = v;
-        if ((__float_as_uint(s) & 0x7fffffffu) >= 0x7f800000u) atomicAdd(bad, 1ull);
+        if (gf_nonfinite(s)) atomicAdd(bad, 1ull);
     }
 }
 
@@ -279,7 +218,7 @@ extern "C" __global__ void gf_twobit_block_compress_array(const float* x, gf_i64
                                                           float* e_out, gf_i64 block, float factor,
                                                           gf_u32* codes, float* values, gf_u64* bad)
 {
-    gf_tbb_array src;
+    gf_q_array<2> src;
     src.x = x;
     src.n = n;
     gf_twobit_block_body(src, (n + block - 1) / block, e_in, e_out, block, factor, codes, values, bad);
@@ -292,36 +231,32 @@ extern "C" __global__ void gf_twobit_block_compress_table(const gf_i64* ptrs, co
                                                           gf_i64 block, float factor, gf_u32* codes,
                                                           float* values, gf_u64* bad)
 {
-    gf_tbb_table src;
+    gf_q_table<2> src;
     src.ptrs = ptrs; src.offsets = offsets; src.counts = counts;
     src.bstart = bstart; src.wstart = wstart; src.lo = lo; src.hi = hi;
     gf_twobit_block_body(src, nblocks, e_in, e_out, block, factor, codes, values, bad);
 }
 
-// ((v_0 + v_1) + ...) from v_0 in rank order, then divided; code 1 -> +v, 2 -> -v, else 0
-__device__ __forceinline__ float gf_tbb_sum(const gf_u32* codes, gf_i64 cstride, const float* values,
-                                            gf_i64 vstride, gf_i64 p, gf_i64 w, gf_u32 sh, gf_i64 b,
-                                            int mode, float f)
-{
-    float acc = 0.0f;
-    for (gf_i64 r = 0; r < p; r++) {
-        float v = values[r * vstride + b];
-        gf_u32 c = (codes[r * cstride + w] >> sh) & 3u;
-        float x = c == 1u ? v : (c == 2u ? -v : 0.0f);
-        acc = r == 0 ? x : __fadd_rn(acc, x);
+// The scaled 2-bit decoder: code 1 -> +v, 2 -> -v, 0 and 3 -> 0 (gf_q_dsum_array /
+// gf_q_dsum_table in common.cuh are the driver: the element's word and block, the sum over
+// the rows, the divide).
+struct gf_tbb_decoder {
+    enum { BITS = 2 };
+    static __device__ __forceinline__ float value(gf_u32 c, float v)
+    {
+        c &= 3u;
+        return c == 1u ? v : (c == 2u ? -v : 0.0f);
     }
-    return gf_apply_div(acc, mode, f);
-}
+};
 
+// codes: p rows of cstride words, values: p rows of vstride floats (row r = rank r); one
+// array: element j in bits 2(j % 16), 2(j % 16) + 1 of word j / 16, value j / block.
 extern "C" __global__ void gf_twobit_block_decompress_sum_array(const gf_u32* codes, gf_i64 cstride,
                                                                 const float* values, gf_i64 vstride,
                                                                 gf_i64 p, gf_i64 block, float* out,
                                                                 gf_i64 n, int mode, float f)
 {
-    gf_i64 stride = (gf_i64)gridDim.x * blockDim.x;
-    for (gf_i64 j = (gf_i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += stride)
-        out[j] = gf_tbb_sum(codes, cstride, values, vstride, p, j >> 4, (gf_u32)(j & 15) * 2, j / block,
-                            mode, f);
+    gf_q_dsum_array<gf_tbb_decoder>(codes, cstride, values, vstride, p, block, out, n, mode, f);
 }
 
 extern "C" __global__ void gf_twobit_block_decompress_sum_table(const gf_u32* codes, gf_i64 cstride,
@@ -331,13 +266,6 @@ extern "C" __global__ void gf_twobit_block_decompress_sum_table(const gf_u32* co
                                                                 gf_i64 lo, gf_i64 hi, const gf_i64* bstart,
                                                                 const gf_i64* wstart, int mode, float f)
 {
-    gf_i64 tid = (gf_i64)blockIdx.x * blockDim.x + threadIdx.x;
-    gf_i64 stride = (gf_i64)gridDim.x * blockDim.x;
-    for (gf_i64 i = lo + blockIdx.y; i < hi; i += gridDim.y) {
-        gf_i64 m = counts[i], w0 = wstart[i - lo], b0 = bstart[i - lo];
-        float* d = (float*)ptrs[i];
-        for (gf_i64 k = tid; k < m; k += stride)
-            d[k] = gf_tbb_sum(codes, cstride, values, vstride, p, w0 + (k >> 4), (gf_u32)(k & 15) * 2,
-                              b0 + k / block, mode, f);
-    }
+    gf_q_dsum_table<gf_tbb_decoder>(codes, cstride, values, vstride, p, block, ptrs, counts, lo, hi,
+                                    bstart, wstart, mode, f);
 }

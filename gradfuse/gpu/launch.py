@@ -4,7 +4,8 @@ Arrays are checked as the CPU kernels check theirs (``_arr``); tables of pointer
 offsets and counts are validated and put on the device by ``_table`` (``Resident`` host
 tables once per device); every kernel is launched by ``_launch`` with ``THREADS``
 threads per block, on a grid from ``_grid_flat`` or ``_grid_rows``; counts are added
-into ``_counter`` arrays.
+into ``_counter`` arrays. The 1-bit and scaled 2-bit wrappers share their blocked layout
+and decode-and-sum launches (``_block_layout``, ``_block_decompress_sum``).
 """
 import math
 
@@ -226,3 +227,71 @@ def _rows(a, dtype, name, who, ncols):
     if a.strides[0] % item or a.strides[0] < 0:
         raise ValueError(f"{who}: {name} row stride {a.strides[0]} is not a positive multiple of {item}")
     return _I64(a.strides[0] // item)
+
+
+# ------------------------------------------------------------------ blocked 1-bit and 2-bit payloads
+# The 1-bit and the scaled 2-bit formats share a layout (cuda/common.cuh): per tensor, codes
+# of ``bits`` bits (1 or 2) packed 32 // bits to a uint32 word from a new word, and one
+# float per block of ``block`` elements, blocks restarting at every tensor. Their wrappers
+# share the block-size check, the layout's prefix sums and the decode-and-sum launches
+# here. ``kernel``: the family's decode-and-sum kernels without their ``_table`` /
+# ``_array`` suffix (``"gf_onebit_decompress_sum"``); ``names``: its payload arrays as the
+# messages call them (``("bits", "scales")``, ``("codes", "values")``).
+
+def _block_size(block, who):
+    block = int(block)
+    if block < 32 or block % 32:
+        raise ValueError(f"{who}: block size must be a multiple of 32 and >= 32, got {block}")
+    return block
+
+
+def _block_layout(counts, lo, hi, block, bits):
+    """(bstart, wstart on the device, total blocks, total words) of rows lo..hi-1: the
+    prefix sums of the rows' ceil(count/block) blocks and ceil(count/(32/bits)) words."""
+    per_word = 32 // bits
+
+    def make():
+        c = np.asarray(_host(counts[lo:hi]), np.int64)
+        bs = np.concatenate([[0], np.cumsum(-(-c // block))]).astype(np.int64)
+        ws = np.concatenate([[0], np.cumsum(-(-c // per_word))]).astype(np.int64)
+        cp = cupy()
+        return cp.asarray(bs), cp.asarray(ws), int(bs[-1]), int(ws[-1])
+    return _memo(counts, ("blocked", bits, int(lo), int(hi), block), make)
+
+
+def _block_payloads(who, names, words, vals, block, nwords, nblocks, divisor):
+    """The p payload rows checked: the kernels' leading arguments, the divisor mode, operand."""
+    mode, f = divisor_mode(divisor, who)
+    wname, vname = names
+    p = words.shape[0] if getattr(words, "ndim", 0) == 2 else 0
+    if p < 1:
+        raise ValueError(f"{who}: need at least one payload row ({wname} of shape (p, words))")
+    if vals.shape[0] != p:
+        raise ValueError(f"{who}: {wname} has {p} rows but {vname} has {vals.shape[0]}")
+    ws = _rows(words, np.uint32, wname, who, nwords)
+    vs = _rows(vals, _F32, vname, who, nblocks)
+    return (words, ws, vals, vs, _I64(p), _I64(block)), mode, f
+
+
+def _block_decompress_sum(who, kernel, bits, names, words, vals, block, ptrs, offsets, counts, lo, hi,
+                          divisor):
+    """Decode p payloads of ``bits``-bit codes (row r = rank r), sum them in rank order from
+    v_0, divide, and write into table rows lo..hi-1 (dense offsets)."""
+    block = _block_size(block, who)
+    (tp, to, tc), n, mx = _table(who, ptrs, offsets, counts, lo, hi, dense=True)
+    layout = _block_layout(counts, lo, hi, block, bits) if n else (None, None, 0, 0)
+    args, mode, f = _block_payloads(who, names, words, vals, block, layout[3], layout[2], divisor)
+    if n:
+        _launch(kernel + "_table", _grid_rows(hi - lo, mx),
+                args + (tp, tc, _I64(lo), _I64(hi), layout[0], layout[1], mode, f))
+
+
+def _block_decompress_sum_array(who, kernel, bits, names, words, vals, block, out, divisor):
+    """``_block_decompress_sum`` into one contiguous float32 cupy array (n = out.size)."""
+    block = _block_size(block, who)
+    _arr(out, _F32, "out", who)
+    n = out.size
+    args, mode, f = _block_payloads(who, names, words, vals, block, -(-n // (32 // bits)), -(-n // block),
+                                    divisor)
+    if n:
+        _launch(kernel + "_array", _grid_flat(n), args + (out, _I64(n), mode, f))

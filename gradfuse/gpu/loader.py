@@ -41,7 +41,7 @@ def source(name):
     """The compilable text of kernel file ``name`` (``"onebit.cu"``).
 
     A ``.cu`` file comes with the shared prelude ``cuda/common.cuh`` (types, the table
-    cursor) in front of it and a ``#line`` directive, so compiler messages still point
+    cursor, the blocked 1-bit/2-bit layout and decode-and-sum) in front of it and a ``#line`` directive, so compiler messages still point
     into the ``.cu`` file.
     """
     text = _read(name)

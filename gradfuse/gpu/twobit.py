@@ -4,16 +4,9 @@ decompress-and-sum in both formats, as ``_core.twobit_compress(_array)`` /
 ``_core.twobit_block_*`` (the scaled format, per-tensor blocks)."""
 import numpy as np
 
-from .launch import (OB_WARPS, _F32, _I64, _arr, _bad_result, _counter, _grid_flat, _grid_rows, _host,
-                     _launch, _memo, _ptr, _residuals, _rows, _table, divisor_mode)
-from .loader import cupy
-
-
-def _block(block, who):
-    block = int(block)
-    if block < 32 or block % 32:
-        raise ValueError(f"{who}: block size must be a multiple of 32 and >= 32, got {block}")
-    return block
+from .launch import (OB_WARPS, _F32, _I64, _arr, _bad_result, _block_decompress_sum, _block_decompress_sum_array,
+                     _block_layout, _block_size, _counter, _grid_flat, _grid_rows, _launch, _ptr, _residuals,
+                     _rows, _table, divisor_mode)
 
 
 def _threshold(t, who):
@@ -94,17 +87,6 @@ def _factor(factor, who):
     return f
 
 
-def _tbb_layout(counts, lo, hi, block):
-    """(bstart, wstart on the device, total blocks, total words) of rows lo..hi-1."""
-    def make():
-        c = np.asarray(_host(counts[lo:hi]), np.int64)
-        bs = np.concatenate([[0], np.cumsum(-(-c // block))]).astype(np.int64)
-        ws = np.concatenate([[0], np.cumsum((c + 15) // 16)]).astype(np.int64)
-        cp = cupy()
-        return cp.asarray(bs), cp.asarray(ws), int(bs[-1]), int(ws[-1])
-    return _memo(counts, ("twobit-block", int(lo), int(hi), block), make)
-
-
 def _tbb_compress(who, src_args, layout, n, e_in, e_out, block, factor, codes, values, count_out):
     f = _factor(factor, who)
     e_in, e_out = _residuals(who, e_in, e_out, n)
@@ -139,9 +121,9 @@ def twobit_block_compress(ptrs, offsets, counts, lo, hi, e_in, e_out, block, fac
     blocks per tensor, as ``_core.twobit_block_compress``; returns the number of blocks
     whose mean |c| is not finite."""
     who = "twobit_block_compress"
-    block = _block(block, who)
+    block = _block_size(block, who)
     (p, o, c), n, _ = _table(who, ptrs, offsets, counts, lo, hi, dense=True)
-    layout = _tbb_layout(counts, lo, hi, block) if n else (None, None, 0, 0)
+    layout = _block_layout(counts, lo, hi, block, 2) if n else (None, None, 0, 0)
     return _tbb_compress(who, (p, o, c, _I64(lo), _I64(hi)), layout, n, e_in, e_out, block, factor,
                          codes, values, count_out)
 
@@ -149,42 +131,19 @@ def twobit_block_compress(ptrs, offsets, counts, lo, hi, e_in, e_out, block, fac
 def twobit_block_compress_array(x, e_in, e_out, block, factor, codes, values, count_out=None):
     """``twobit_block_compress`` of one contiguous float32 cupy array (one tensor)."""
     who = "twobit_block_compress_array"
-    block = _block(block, who)
+    block = _block_size(block, who)
     _arr(x, _F32, "x", who)
     return _tbb_compress(who, (x,), None, x.size, e_in, e_out, block, factor, codes, values, count_out)
-
-
-def _tbb_decompress(who, codes, values, block, nwords, nblocks, divisor):
-    mode, f = divisor_mode(divisor, who)
-    p = codes.shape[0] if getattr(codes, "ndim", 0) == 2 else 0
-    if p < 1:
-        raise ValueError(f"{who}: need at least one payload row (codes of shape (p, words))")
-    if values.shape[0] != p:
-        raise ValueError(f"{who}: codes has {p} rows but values has {values.shape[0]}")
-    cs = _rows(codes, np.uint32, "codes", who, nwords)
-    vs = _rows(values, _F32, "values", who, nblocks)
-    return (codes, cs, values, vs, _I64(p), _I64(block)), mode, f
 
 
 def twobit_block_decompress_sum(codes, values, block, ptrs, offsets, counts, lo, hi, divisor):
     """Decode p scaled 2-bit payloads (row r = rank r), sum in rank order from v_0, divide,
     write into table rows lo..hi-1, as ``_core.twobit_block_decompress_sum``."""
-    who = "twobit_block_decompress_sum"
-    block = _block(block, who)
-    (tp, to, tc), n, mx = _table(who, ptrs, offsets, counts, lo, hi, dense=True)
-    layout = _tbb_layout(counts, lo, hi, block) if n else (None, None, 0, 0)
-    args, mode, f = _tbb_decompress(who, codes, values, block, layout[3], layout[2], divisor)
-    if n:
-        _launch("gf_twobit_block_decompress_sum_table", _grid_rows(hi - lo, mx),
-                args + (tp, tc, _I64(lo), _I64(hi), layout[0], layout[1], mode, f))
+    _block_decompress_sum("twobit_block_decompress_sum", "gf_twobit_block_decompress_sum", 2,
+                          ("codes", "values"), codes, values, block, ptrs, offsets, counts, lo, hi, divisor)
 
 
 def twobit_block_decompress_sum_array(codes, values, block, out, divisor):
     """``twobit_block_decompress_sum`` into one contiguous float32 cupy array (n = out.size)."""
-    who = "twobit_block_decompress_sum_array"
-    block = _block(block, who)
-    _arr(out, _F32, "out", who)
-    n = out.size
-    args, mode, f = _tbb_decompress(who, codes, values, block, -(-n // 16), -(-n // block), divisor)
-    if n:
-        _launch("gf_twobit_block_decompress_sum_array", _grid_flat(n), args + (out, _I64(n), mode, f))
+    _block_decompress_sum_array("twobit_block_decompress_sum_array", "gf_twobit_block_decompress_sum", 2,
+                                ("codes", "values"), codes, values, block, out, divisor)

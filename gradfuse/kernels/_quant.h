@@ -35,11 +35,12 @@
 
 /* ---------------------------------------------------------------- streamed output */
 
-/* The fused AVX2 decoders (gf_ob_decode_sum_avx2, gf_tbb_decode_sum_avx2) write tensors of
- * at least this many bytes, when 16-byte aligned, with non-temporal stores: a decoded
- * tensor is written whole and never read by its decoder, so its lines need not be read
- * for ownership first, and 100 MB of output do not evict the cache. Smaller tensors stay
- * in the cache for whoever reads them next. Only the stores differ: the same bits.
+/* The fused AVX2 decode-and-sum (gf_q_decode_sum_avx2, _dsum.h) writes tensors of at
+ * least this many bytes, when 16-byte aligned, with non-temporal stores: a decoded
+ * tensor is written whole and not read by its decoder (but for a short last word), so
+ * its lines need not be read for ownership first, and 100 MB of output do not evict the
+ * cache. Smaller tensors stay in the cache for whoever reads them next. Only the stores
+ * differ: the same bits.
  * Settable (gradfuse._core.set_stream_bytes) so that the tests and the A/B measurement
  * run both. */
 #define GF_Q_STREAM_BYTES_DEFAULT (256 * 1024)
@@ -165,6 +166,55 @@ static float* gf_q_alloc(int64_t nfloats)
 {
     return (float*)malloc((size_t)(nfloats > 0 ? nfloats : 1) * sizeof(float));
 }
+
+/* ---------------------------------------------------------------- the divide */
+
+/* gf_q_divide as a mode: 0 nothing (divisor 1), 1 multiply by *f (the exact reciprocal
+ * of a power of two), 2 divide by *f. For a power of two whose reciprocal is exact,
+ * x * (1/f) is the same correctly rounded real number as x / f, so the same bits (zeros,
+ * subnormals, inf and NaN included), and much cheaper. */
+static int gf_q_divmode(double divisor, float* f)
+{
+    if (divisor == 1.0) return 0;
+    float fd = (float)divisor;
+    int ex;
+    float m = frexpf(fd, &ex);
+    float r = 1.0f / fd;
+    if ((m == 0.5f || m == -0.5f) && r != 0.0f && fabsf(r) < INFINITY && r * fd == 1.0f) {
+        *f = r;
+        return 1;
+    }
+    *f = fd;
+    return 2;
+}
+
+/* acc[k] = acc[k] / (float)divisor in the mode and operand of gf_q_divmode. */
+static void gf_q_divide_by(float* acc, int64_t cnt, int mode, float f)
+{
+    if (mode == 1) {
+        for (int64_t k = 0; k < cnt; k++) acc[k] = acc[k] * f;
+    } else if (mode == 2) {
+        for (int64_t k = 0; k < cnt; k++) acc[k] = acc[k] / f;
+    }
+}
+
+/* acc[k] = acc[k] / (float)divisor; nothing when divisor == 1.0 (gf_q_divmode). */
+static void gf_q_divide(float* acc, int64_t cnt, double divisor)
+{
+    float f = 1.0f;
+    int mode = gf_q_divmode(divisor, &f);
+    gf_q_divide_by(acc, cnt, mode, f);
+}
+
+#if GF_Q_HAVE_AVX2
+#define GF_Q_INLINE __attribute__((always_inline)) inline
+
+/* A rank's decoding constants for one block, in the form its width's AVX2 decoder wants
+ * (gf_ob_rank8, gf_tbb_rank8); a decoder may leave y unused. */
+typedef struct {
+    __m256 x, y;
+} gf_q_rank8;
+#endif
 
 /* ================================================================ 1-bit */
 
@@ -308,7 +358,9 @@ static int64_t gf_onebit_compress(const int64_t* ptrs, const int64_t* counts,
     return bad;
 }
 
-/* acc[0..cnt) (=|+=) decoded values of one block of one rank. first: assign. */
+/* The 1-bit decoder (gf_q_block_decompress_sum in _dsum.h is the driver): bit 1 -> +s,
+ * 0 -> -s. acc[0..cnt) (=|+=) the decoded values of one block of one rank, words at
+ * bits[0..). first: assign. */
 static void gf_ob_decode_scalar(const uint32_t* bits, float s, int64_t cnt,
                                 float* acc, int first)
 {
@@ -324,161 +376,25 @@ static void gf_ob_decode_scalar(const uint32_t* bits, float s, int64_t cnt,
     }
 }
 
-/* gf_q_divide as a mode: 0 nothing (divisor 1), 1 multiply by *f (the exact reciprocal
- * of a power of two), 2 divide by *f. For a power of two whose reciprocal is exact,
- * x * (1/f) is the same correctly rounded real number as x / f, so the same bits (zeros,
- * subnormals, inf and NaN included), and much cheaper. */
-static int gf_q_divmode(double divisor, float* f)
-{
-    if (divisor == 1.0) return 0;
-    float fd = (float)divisor;
-    int ex;
-    float m = frexpf(fd, &ex);
-    float r = 1.0f / fd;
-    if ((m == 0.5f || m == -0.5f) && r != 0.0f && fabsf(r) < INFINITY && r * fd == 1.0f) {
-        *f = r;
-        return 1;
-    }
-    *f = fd;
-    return 2;
-}
-
-/* acc[k] = acc[k] / (float)divisor; nothing when divisor == 1.0 (gf_q_divmode). */
-static void gf_q_divide(float* acc, int64_t cnt, double divisor)
-{
-    float f = 1.0f;
-    int mode = gf_q_divmode(divisor, &f);
-    if (mode == 1) {
-        for (int64_t k = 0; k < cnt; k++) acc[k] = acc[k] * f;
-    } else if (mode == 2) {
-        for (int64_t k = 0; k < cnt; k++) acc[k] = acc[k] / f;
-    }
-}
-
-static inline float gf_q_divone(float x, int mode, float f)
-{
-    return mode == 1 ? x * f : mode == 2 ? x / f : x;
-}
-
-/* A fused decoder's body BODY(mode, nt, p2) with constant arguments where it pays (p == 2:
- * every division mode, streamed or not), else with the run-time mode. */
-#define GF_Q_DSUM_DISPATCH(BODY, p, mode, nt) do {                                        \
-        if ((p) == 2) {                                                                   \
-            if ((mode) == 1) { if (nt) BODY(1, 1, 1); else BODY(1, 0, 1); }              \
-            else if ((mode) == 0) { if (nt) BODY(0, 1, 1); else BODY(0, 0, 1); }         \
-            else { if (nt) BODY(2, 1, 1); else BODY(2, 0, 1); }                          \
-        } else {                                                                          \
-            if (nt) BODY(mode, 1, 0); else BODY(mode, 0, 0);                             \
-        }                                                                                 \
-    } while (0)
-
 #if GF_Q_HAVE_AVX2
-GF_Q_AVX2 static inline __m256 gf_q_div8(__m256 x, int mode, __m256 f)
+/* The 1-bit decoder on AVX2: a rank's constants are +s and -s (gf_ob_rank8); elements
+ * 8q..8q+7 of word w each pick one of them by their bit (gf_ob_dec8: lane i tests bit i
+ * of the word's byte q). */
+GF_Q_AVX2 static GF_Q_INLINE gf_q_rank8 gf_ob_rank8(float s)
 {
-    return mode == 1 ? _mm256_mul_ps(x, f) : mode == 2 ? _mm256_div_ps(x, f) : x;
+    gf_q_rank8 t;
+    t.x = _mm256_set1_ps(s);
+    t.y = _mm256_set1_ps(-s);
+    return t;
 }
 
-/* One block of p 1-bit payloads summed and divided in registers (rank r's words at
- * bits + r * wstride, its scale sc[r * sstride]): the same operations in the same order
- * as the scalar decode per rank then gf_q_divide, one write of d. A word (32 elements)
- * per step; MODE, NT and P2 (p == 2) are constants in each instance (gf_ob_decode_sum_avx2). */
-#define GF_Q_INLINE __attribute__((always_inline)) inline
-GF_Q_AVX2 static GF_Q_INLINE void gf_ob_dsum_body(const uint32_t* bits, int64_t wstride, const float* sc,
-                                                 int64_t sstride, int64_t p, int64_t cnt, float* d,
-                                                 const int mode, float f, const int nt, const int p2)
+GF_Q_AVX2 static GF_Q_INLINE __m256 gf_ob_dec8(gf_q_rank8 t, uint32_t w, int q)
 {
     const __m256i sel = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-    const __m256 vf = _mm256_set1_ps(f);
-    const float s0 = sc[0], s1 = p2 ? sc[sstride] : 0.0f;
-    const __m256 vs0 = _mm256_set1_ps(s0), vn0 = _mm256_set1_ps(-s0);
-    const __m256 vs1 = _mm256_set1_ps(s1), vn1 = _mm256_set1_ps(-s1);
-    int64_t k = 0;
-    for (; k + 32 <= cnt; k += 32) {
-        const uint32_t w0 = bits[k >> 5], w1 = p2 ? bits[wstride + (k >> 5)] : 0u;
-        for (int q = 0; q < 4; q++) {
-            __m256i m = _mm256_and_si256(_mm256_set1_epi32((int)((w0 >> (8 * q)) & 0xffu)), sel);
-            __m256 acc = _mm256_blendv_ps(vn0, vs0, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, sel)));
-            if (p2) {
-                m = _mm256_and_si256(_mm256_set1_epi32((int)((w1 >> (8 * q)) & 0xffu)), sel);
-                acc = _mm256_add_ps(acc, _mm256_blendv_ps(vn1, vs1, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, sel))));
-            } else {
-                for (int64_t r = 1; r < p; r++) {
-                    float s = sc[r * sstride];
-                    uint32_t byte = (bits[r * wstride + (k >> 5)] >> (8 * q)) & 0xffu;
-                    m = _mm256_and_si256(_mm256_set1_epi32((int)byte), sel);
-                    acc = _mm256_add_ps(acc, _mm256_blendv_ps(_mm256_set1_ps(-s), _mm256_set1_ps(s),
-                                                              _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, sel))));
-                }
-            }
-            gf_q_put8(d + k + 8 * q, gf_q_div8(acc, mode, vf), nt);
-        }
-    }
-    for (; k < cnt; k++) {                    /* the block's last word, when short */
-        float a = 0.0f;
-        for (int64_t r = 0; r < p; r++) {
-            float s = sc[r * sstride];
-            float v = (bits[r * wstride + (k >> 5)] >> (k & 31)) & 1u ? s : -s;
-            a = r ? a + v : v;
-        }
-        d[k] = gf_q_divone(a, mode, f);
-    }
-}
-
-GF_Q_AVX2 static void gf_ob_decode_sum_avx2(const uint32_t* bits, int64_t wstride, const float* sc,
-                                            int64_t sstride, int64_t p, int64_t cnt, float* d,
-                                            int mode, float f, int nt)
-{
-#define GF_OB_DSUM(M, N, P2) gf_ob_dsum_body(bits, wstride, sc, sstride, p, cnt, d, M, f, N, P2)
-    GF_Q_DSUM_DISPATCH(GF_OB_DSUM, p, mode, nt);
-#undef GF_OB_DSUM
+    __m256i m = _mm256_and_si256(_mm256_set1_epi32((int)((w >> (8 * q)) & 0xffu)), sel);
+    return _mm256_blendv_ps(t.y, t.x, _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, sel)));
 }
 #endif
-
-/* bits: p rows of `wstride` words, scales: p rows of `sstride` floats, in the layout of
- * gf_onebit_compress (per-tensor blocks and words). Blocks never straddle tensors, so
- * every block is decoded straight into its tensor. Returns 0. */
-static int gf_onebit_decompress_sum(const uint32_t* bits, int64_t wstride,
-                                    const float* scales, int64_t sstride, int64_t p,
-                                    int64_t block, const int64_t* ptrs, const int64_t* counts,
-                                    int64_t lo, int64_t hi, int64_t n, double divisor)
-{
-    if (n <= 0) return 0;
-    int avx = GF_Q_HAVE_AVX2 && gf_use_avx2, streamed = 0;
-    float f = 1.0f;
-    int mode = gf_q_divmode(divisor, &f);
-    int64_t w = 0, b = 0;
-    for (int64_t row = lo; row < hi; row++) {
-        int64_t m = counts[row];
-        if (m <= 0) continue;
-        float* d = (float*)(uintptr_t)ptrs[row];
-#if GF_Q_HAVE_AVX2
-        if (avx) {                 /* every rank's block summed in registers, one write */
-            int nt = gf_q_streams(d, m);
-            streamed |= nt;
-            for (int64_t k = 0; k < m; k += block, b++) {
-                int64_t cnt = m - k < block ? m - k : block;
-                gf_ob_decode_sum_avx2(bits + w + (k >> 5), wstride, scales + b, sstride, p, cnt, d + k,
-                                      mode, f, nt);
-            }
-            w += (m + 31) >> 5;
-            continue;
-        }
-#endif
-        for (int64_t k = 0; k < m; k += block, b++) {
-            int64_t cnt = m - k < block ? m - k : block;
-            for (int64_t r = 0; r < p; r++) {
-                const uint32_t* wr = bits + r * wstride + w + (k >> 5);
-                float s = scales[r * sstride + b];
-                gf_ob_decode_scalar(wr, s, cnt, d + k, r == 0);
-            }
-            gf_q_divide(d + k, cnt, divisor);
-        }
-        w += (m + 31) >> 5;
-    }
-    (void)avx;
-    gf_q_stream_fence(streamed);
-    return 0;
-}
 
 /* ================================================================ 2-bit */
 

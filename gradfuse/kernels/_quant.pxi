@@ -11,10 +11,6 @@ cdef extern from "_quant.h" nogil:
                                int64_t lo, int64_t hi, int64_t n,
                                const float* e_in, float* e_out, int64_t block,
                                uint32_t* bits, float* scales)
-    int gf_onebit_decompress_sum(const uint32_t* bits, int64_t wstride,
-                                 const float* scales, int64_t sstride, int64_t p,
-                                 int64_t block, const int64_t* ptrs, const int64_t* counts,
-                                 int64_t lo, int64_t hi, int64_t n, double divisor)
     int64_t gf_twobit_compress(const int64_t* ptrs, const int64_t* counts,
                                int64_t lo, int64_t hi, int64_t n,
                                const float* e_in, float* e_out, float t, uint8_t* codes)
@@ -22,6 +18,12 @@ cdef extern from "_quant.h" nogil:
                                  const int64_t* ptrs, const int64_t* counts,
                                  int64_t lo, int64_t hi, int64_t n, double divisor)
     void gf_tb_init_spread()
+
+cdef extern from "_dsum.h" nogil:
+    void gf_q_block_decompress_sum(int bits, const uint32_t* words, int64_t wstride,
+                                   const float* vals, int64_t vstride, int64_t p, int64_t block,
+                                   const int64_t* ptrs, const int64_t* counts,
+                                   int64_t lo, int64_t hi, int64_t n, double divisor)
 
 # build the 2-bit encoder's lookup table once, at import (not lazily inside nogil calls)
 gf_tb_init_spread()
@@ -87,17 +89,19 @@ cdef int _q_check_block(str name, int block) except -1:
     return 0
 
 
-cdef int _ob_sizes(const int64_t* counts, Py_ssize_t lo, Py_ssize_t hi, int block,
-                   int64_t* nwords, int64_t* nblocks) except -1:
-    """Words and scales of the 1-bit payload of rows lo..hi-1: every tensor's bits start on
-    a new word and its blocks restart, so sum ceil(n_i/32) words, sum ceil(n_i/block) scales."""
+cdef int _q_block_sizes(const int64_t* counts, Py_ssize_t lo, Py_ssize_t hi, int block, int bits,
+                        int64_t* nwords, int64_t* nblocks) except -1:
+    """Words and block floats of the blocked payload of rows lo..hi-1 with ``bits``-bit codes
+    (1-bit, scaled 2-bit): every tensor's codes start on a new word and its blocks restart,
+    so sum ceil(n_i/(32/bits)) words, sum ceil(n_i/block) floats."""
     cdef Py_ssize_t i
+    cdef int64_t cpw = 32 // bits
     nwords[0] = 0
     nblocks[0] = 0
     if counts == NULL:
         return 0
     for i in range(lo, hi):
-        nwords[0] += (counts[i] + 31) // 32
+        nwords[0] += (counts[i] + cpw - 1) // cpw
         nblocks[0] += (counts[i] + block - 1) // block
     return 0
 
@@ -126,7 +130,7 @@ cdef int64_t _onebit_compress_raw(str name, const int64_t* ptrs, const int64_t* 
     cdef const float* ein = NULL
     cdef float* eout = NULL
     _q_check_block(name, block)
-    _ob_sizes(counts, lo, hi, block, &nwords, &nblocks)
+    _q_block_sizes(counts, lo, hi, block, 1, &nwords, &nblocks)
     _q_check_residual(name, e_in, e_out, n)
     if bits.shape[0] != nwords:
         raise ValueError(f"{name}: bits must have {nwords} words (the sum over the tensors of "
@@ -177,34 +181,34 @@ def onebit_compress_array(const float[::1] x, const float[::1] e_in, float[::1] 
                                 block, bits, scales)
 
 
-cdef int _onebit_decompress_raw(str name, const uint32_t[:, :] bits, const float[:, :] scales,
-                                int block, const int64_t* ptrs, const int64_t* counts,
-                                Py_ssize_t lo, Py_ssize_t hi, int64_t n, double divisor) except -1:
-    cdef int64_t p = bits.shape[0], nwords, nblocks
-    cdef int r
+cdef int _q_block_decompress_raw(str name, int bits, str wname, str vname,
+                                 const uint32_t[:, :] words, const float[:, :] vals, int block,
+                                 const int64_t* ptrs, const int64_t* counts,
+                                 Py_ssize_t lo, Py_ssize_t hi, int64_t n, double divisor) except -1:
+    """Checks and the decode-and-sum of p blocked payloads with ``bits``-bit codes (1-bit,
+    scaled 2-bit): ``words`` (called ``wname``) and their block floats ``vals`` (``vname``)."""
+    cdef int64_t p = words.shape[0], nwords, nblocks
     _q_check_block(name, block)
     _q_check_divisor(name, divisor)
-    _ob_sizes(counts, lo, hi, block, &nwords, &nblocks)
+    _q_block_sizes(counts, lo, hi, block, bits, &nwords, &nblocks)
     if p < 1:
         raise ValueError(f"{name}: need at least one payload row")
-    if scales.shape[0] != p:
-        raise ValueError(f"{name}: bits has {p} rows but scales has {scales.shape[0]}")
-    if bits.shape[1] != nwords:
-        raise ValueError(f"{name}: bits rows must have {nwords} words (the sum over the tensors "
-                         f"of ceil(n_i/32)), got {bits.shape[1]}")
-    if scales.shape[1] != nblocks:
-        raise ValueError(f"{name}: scales rows must have {nblocks} floats (the sum over the "
-                         f"tensors of ceil(n_i/block)), got {scales.shape[1]}")
+    if vals.shape[0] != p:
+        raise ValueError(f"{name}: {wname} has {p} rows but {vname} has {vals.shape[0]}")
+    if words.shape[1] != nwords:
+        raise ValueError(f"{name}: {wname} rows must have {nwords} words (the sum over the tensors "
+                         f"of ceil(n_i/{32 // bits})), got {words.shape[1]}")
+    if vals.shape[1] != nblocks:
+        raise ValueError(f"{name}: {vname} rows must have {nblocks} floats (the sum over the "
+                         f"tensors of ceil(n_i/block)), got {vals.shape[1]}")
     if n == 0:
         return 0
-    _q_check_rows(name, "bits", bits.strides[0], bits.strides[1], sizeof(uint32_t), nwords)
-    _q_check_rows(name, "scales", scales.strides[0], scales.strides[1], sizeof(float), nblocks)
+    _q_check_rows(name, wname, words.strides[0], words.strides[1], sizeof(uint32_t), nwords)
+    _q_check_rows(name, vname, vals.strides[0], vals.strides[1], sizeof(float), nblocks)
     with nogil:
-        r = gf_onebit_decompress_sum(&bits[0, 0], bits.strides[0] // sizeof(uint32_t), &scales[0, 0],
-                                     scales.strides[0] // sizeof(float), p, block,
-                                     ptrs, counts, lo, hi, n, divisor)
-    if r < 0:
-        raise MemoryError(f"{name}: cannot allocate the staging buffer")
+        gf_q_block_decompress_sum(bits, &words[0, 0], words.strides[0] // sizeof(uint32_t), &vals[0, 0],
+                                  vals.strides[0] // sizeof(float), p, block,
+                                  ptrs, counts, lo, hi, n, divisor)
     return 0
 
 
@@ -220,11 +224,11 @@ def onebit_decompress_sum(const uint32_t[:, :] bits, const float[:, :] scales, i
     """
     cdef int64_t n = _q_table_n("onebit_decompress_sum", dst_ptrs, offsets, counts, lo, hi)
     if n == 0:
-        _onebit_decompress_raw("onebit_decompress_sum", bits, scales, block, NULL, NULL,
-                               lo, hi, 0, divisor)
+        _q_block_decompress_raw("onebit_decompress_sum", 1, "bits", "scales", bits, scales, block,
+                                NULL, NULL, lo, hi, 0, divisor)
         return
-    _onebit_decompress_raw("onebit_decompress_sum", bits, scales, block, &dst_ptrs[0],
-                           &counts[0], lo, hi, n, divisor)
+    _q_block_decompress_raw("onebit_decompress_sum", 1, "bits", "scales", bits, scales, block,
+                            &dst_ptrs[0], &counts[0], lo, hi, n, divisor)
 
 
 def onebit_decompress_sum_array(const uint32_t[:, :] bits, const float[:, :] scales,
@@ -232,8 +236,8 @@ def onebit_decompress_sum_array(const uint32_t[:, :] bits, const float[:, :] sca
     """onebit_decompress_sum into one contiguous float32 array (n = len(out))."""
     cdef int64_t n = out.shape[0]
     cdef int64_t ptr = <int64_t> <uintptr_t> &out[0] if n > 0 else 0
-    _onebit_decompress_raw("onebit_decompress_sum_array", bits, scales, block, &ptr, &n,
-                           0, 1, n, divisor)
+    _q_block_decompress_raw("onebit_decompress_sum_array", 1, "bits", "scales", bits, scales, block,
+                            &ptr, &n, 0, 1, n, divisor)
 
 
 cdef int64_t _twobit_compress_raw(str name, const int64_t* ptrs, const int64_t* counts,

@@ -188,8 +188,9 @@ static int64_t gf_twobit_block_compress(const int64_t* ptrs, const int64_t* coun
     return bad;
 }
 
-/* acc[0..cnt) (=|+=) the decoded values of one block of one rank (codes 1 -> +v, 2 -> -v,
- * 0 and 3 -> +0). first: assign. */
+/* The 2-bit decoder (gf_q_block_decompress_sum in _dsum.h is the driver): code 1 -> +v,
+ * 2 -> -v, 0 and 3 -> +0. acc[0..cnt) (=|+=) the decoded values of one block of one rank,
+ * words at wr[0..). first: assign. */
 static void gf_tbb_decode_scalar(const uint32_t* wr, float v, int64_t cnt, float* acc, int first)
 {
     const float tab[4] = {0.0f, v, -v, 0.0f};
@@ -205,105 +206,24 @@ static void gf_tbb_decode_scalar(const uint32_t* wr, float v, int64_t cnt, float
 }
 
 #if GF_Q_HAVE_AVX2
-/* One block of p payloads summed and divided in registers (rank r's words at codes +
- * r * cstride, its value vals[r * vstride]): the same operations in the same order as the
- * scalar decode per rank then gf_q_divide, one write of d. A word (16 elements) per step;
- * MODE, NT and P2 (p == 2) are constants in each instance (gf_tbb_decode_sum_avx2). */
-GF_Q_AVX2 static GF_Q_INLINE void gf_tbb_dsum_body(const uint32_t* codes, int64_t cstride, const float* vals,
-                                                  int64_t vstride, int64_t p, int64_t cnt, float* d,
-                                                  const int mode, float f, const int nt, const int p2)
+/* The 2-bit decoder on AVX2: a rank's constant is its code table {0, v, -v, 0} in both
+ * 128-bit halves (gf_tbb_rank8); elements 8q..8q+7 of word w look their codes up in it
+ * (gf_tbb_dec8: lane i shifts the word's half q right by 2i, permutevar reads the low two
+ * bits). */
+GF_Q_AVX2 static GF_Q_INLINE gf_q_rank8 gf_tbb_rank8(float v)
+{
+    gf_q_rank8 t;
+    t.x = _mm256_setr_ps(0.0f, v, -v, 0.0f, 0.0f, v, -v, 0.0f);
+    t.y = t.x;
+    return t;
+}
+
+GF_Q_AVX2 static GF_Q_INLINE __m256 gf_tbb_dec8(gf_q_rank8 t, uint32_t w, int q)
 {
     const __m256i sh = _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
-    const __m256 vf = _mm256_set1_ps(f);
-    const float v0 = vals[0], v1 = p2 ? vals[vstride] : 0.0f;
-    const __m256 tab0 = _mm256_setr_ps(0.0f, v0, -v0, 0.0f, 0.0f, v0, -v0, 0.0f);
-    const __m256 tab1 = _mm256_setr_ps(0.0f, v1, -v1, 0.0f, 0.0f, v1, -v1, 0.0f);
-    int64_t k = 0;
-    for (; k + 16 <= cnt; k += 16) {
-        const uint32_t w0 = codes[k >> 4], w1 = p2 ? codes[cstride + (k >> 4)] : 0u;
-        for (int q = 0; q < 2; q++) {
-            __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32((int)((w0 >> (16 * q)) & 0xffffu)), sh);
-            __m256 acc = _mm256_permutevar_ps(tab0, idx);
-            if (p2) {
-                idx = _mm256_srlv_epi32(_mm256_set1_epi32((int)((w1 >> (16 * q)) & 0xffffu)), sh);
-                acc = _mm256_add_ps(acc, _mm256_permutevar_ps(tab1, idx));
-            } else {
-                for (int64_t r = 1; r < p; r++) {
-                    float v = vals[r * vstride];
-                    const __m256 tab = _mm256_setr_ps(0.0f, v, -v, 0.0f, 0.0f, v, -v, 0.0f);
-                    uint32_t bits16 = (codes[r * cstride + (k >> 4)] >> (16 * q)) & 0xffffu;
-                    idx = _mm256_srlv_epi32(_mm256_set1_epi32((int)bits16), sh);
-                    acc = _mm256_add_ps(acc, _mm256_permutevar_ps(tab, idx));
-                }
-            }
-            gf_q_put8(d + k + 8 * q, gf_q_div8(acc, mode, vf), nt);
-        }
-    }
-    for (; k < cnt; k++) {                    /* the block's last word, when short */
-        float a = 0.0f;
-        for (int64_t r = 0; r < p; r++) {
-            float v = vals[r * vstride];
-            const float t4[4] = {0.0f, v, -v, 0.0f};
-            float x = t4[(codes[r * cstride + (k >> 4)] >> (2 * (k & 15))) & 3u];
-            a = r ? a + x : x;
-        }
-        d[k] = gf_q_divone(a, mode, f);
-    }
-}
-
-GF_Q_AVX2 static void gf_tbb_decode_sum_avx2(const uint32_t* codes, int64_t cstride, const float* vals,
-                                             int64_t vstride, int64_t p, int64_t cnt, float* d,
-                                             int mode, float f, int nt)
-{
-#define GF_TBB_DSUM(M, N, P2) gf_tbb_dsum_body(codes, cstride, vals, vstride, p, cnt, d, M, f, N, P2)
-    GF_Q_DSUM_DISPATCH(GF_TBB_DSUM, p, mode, nt);
-#undef GF_TBB_DSUM
+    __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32((int)((w >> (16 * q)) & 0xffffu)), sh);
+    return _mm256_permutevar_ps(t.x, idx);
 }
 #endif
-
-/* codes: p rows of `cstride` words, values: p rows of `vstride` floats, in the layout of
- * gf_twobit_block_compress for the same table counts. Returns 0. */
-static int gf_twobit_block_decompress_sum(const uint32_t* codes, int64_t cstride,
-                                          const float* values, int64_t vstride, int64_t p,
-                                          int64_t block, const int64_t* ptrs, const int64_t* counts,
-                                          int64_t lo, int64_t hi, int64_t n, double divisor)
-{
-    if (n <= 0) return 0;
-    int avx = GF_Q_HAVE_AVX2 && gf_use_avx2, streamed = 0;
-    float f = 1.0f;
-    int mode = gf_q_divmode(divisor, &f);
-    int64_t w = 0, b = 0;
-    for (int64_t row = lo; row < hi; row++) {
-        int64_t m = counts[row];
-        if (m <= 0) continue;
-        float* d = (float*)(uintptr_t)ptrs[row];
-#if GF_Q_HAVE_AVX2
-        if (avx) {                 /* every rank's block summed in registers, one write (_quant.h) */
-            int nt = gf_q_streams(d, m);
-            streamed |= nt;
-            for (int64_t k = 0; k < m; k += block, b++) {
-                int64_t cnt = m - k < block ? m - k : block;
-                gf_tbb_decode_sum_avx2(codes + w + (k >> 4), cstride, values + b, vstride, p, cnt, d + k,
-                                       mode, f, nt);
-            }
-            w += (m + 15) >> 4;
-            continue;
-        }
-#endif
-        for (int64_t k = 0; k < m; k += block, b++) {
-            int64_t cnt = m - k < block ? m - k : block;
-            for (int64_t r = 0; r < p; r++) {
-                const uint32_t* wr = codes + r * cstride + w + (k >> 4);
-                float v = values[r * vstride + b];
-                gf_tbb_decode_scalar(wr, v, cnt, d + k, r == 0);
-            }
-            gf_q_divide(d + k, cnt, divisor);
-        }
-        w += (m + 15) >> 4;
-    }
-    (void)avx;
-    gf_q_stream_fence(streamed);
-    return 0;
-}
 
 #endif

@@ -1,5 +1,6 @@
 # Kernels: scaled 2-bit quantization (per-tensor blocks, a value per block) with error
-# feedback. Included by _core.pyx after _quant.pxi (whose argument checks it shares).
+# feedback. Included by _core.pyx after _quant.pxi (whose argument checks and blocked
+# decode-and-sum, _q_block_decompress_raw, it shares).
 #
 # Format and math: docs/compressors.md ("2-bit: layout"); numpy twin: tests/ref_quant.py
 # (twobit_block_*); GPU twin: cuda/twobit.cu (gradfuse.gpu.twobit_block_*).
@@ -9,24 +10,6 @@ cdef extern from "_twobit.h" nogil:
                                      int64_t lo, int64_t hi, int64_t n,
                                      const float* e_in, float* e_out, int64_t block,
                                      float factor, uint32_t* codes, float* values)
-    int gf_twobit_block_decompress_sum(const uint32_t* codes, int64_t cstride,
-                                       const float* values, int64_t vstride, int64_t p,
-                                       int64_t block, const int64_t* ptrs, const int64_t* counts,
-                                       int64_t lo, int64_t hi, int64_t n, double divisor)
-
-
-cdef int _tbb_sizes(const int64_t* counts, Py_ssize_t lo, Py_ssize_t hi, int block,
-                    int64_t* nwords, int64_t* nblocks) except -1:
-    """Code words and values of rows lo..hi-1: sum ceil(n_i/16) words, sum ceil(n_i/block) values."""
-    cdef Py_ssize_t i
-    nwords[0] = 0
-    nblocks[0] = 0
-    if counts == NULL:
-        return 0
-    for i in range(lo, hi):
-        nwords[0] += (counts[i] + 15) // 16
-        nblocks[0] += (counts[i] + block - 1) // block
-    return 0
 
 
 cdef float _tbb_check_factor(str name, double factor) except? -1.0:
@@ -46,7 +29,7 @@ cdef int64_t _tbb_compress_raw(str name, const int64_t* ptrs, const int64_t* cou
     cdef float* eout = NULL
     cdef float f = _tbb_check_factor(name, factor)
     _q_check_block(name, block)
-    _tbb_sizes(counts, lo, hi, block, &nwords, &nblocks)
+    _q_block_sizes(counts, lo, hi, block, 2, &nwords, &nblocks)
     _q_check_residual(name, e_in, e_out, n)
     if codes.shape[0] != nwords:
         raise ValueError(f"{name}: codes must have {nwords} words (the sum over the tensors of "
@@ -95,35 +78,6 @@ def twobit_block_compress_array(const float[::1] x, const float[::1] e_in, float
                              block, factor, codes, values)
 
 
-cdef int _tbb_decompress_raw(str name, const uint32_t[:, :] codes, const float[:, :] values,
-                             int block, const int64_t* ptrs, const int64_t* counts,
-                             Py_ssize_t lo, Py_ssize_t hi, int64_t n, double divisor) except -1:
-    cdef int64_t p = codes.shape[0], nwords, nblocks
-    cdef int r
-    _q_check_block(name, block)
-    _q_check_divisor(name, divisor)
-    _tbb_sizes(counts, lo, hi, block, &nwords, &nblocks)
-    if p < 1:
-        raise ValueError(f"{name}: need at least one payload row")
-    if values.shape[0] != p:
-        raise ValueError(f"{name}: codes has {p} rows but values has {values.shape[0]}")
-    if codes.shape[1] != nwords:
-        raise ValueError(f"{name}: codes rows must have {nwords} words (the sum over the tensors "
-                         f"of ceil(n_i/16)), got {codes.shape[1]}")
-    if values.shape[1] != nblocks:
-        raise ValueError(f"{name}: values rows must have {nblocks} floats (the sum over the "
-                         f"tensors of ceil(n_i/block)), got {values.shape[1]}")
-    if n == 0:
-        return 0
-    _q_check_rows(name, "codes", codes.strides[0], codes.strides[1], sizeof(uint32_t), nwords)
-    _q_check_rows(name, "values", values.strides[0], values.strides[1], sizeof(float), nblocks)
-    with nogil:
-        r = gf_twobit_block_decompress_sum(&codes[0, 0], codes.strides[0] // sizeof(uint32_t), &values[0, 0],
-                                           values.strides[0] // sizeof(float), p, block,
-                                           ptrs, counts, lo, hi, n, divisor)
-    return 0
-
-
 def twobit_block_decompress_sum(const uint32_t[:, :] codes, const float[:, :] values, int block,
                                 const int64_t[::1] dst_ptrs, const int64_t[::1] offsets,
                                 const int64_t[::1] counts, Py_ssize_t lo, Py_ssize_t hi,
@@ -132,11 +86,11 @@ def twobit_block_decompress_sum(const uint32_t[:, :] codes, const float[:, :] va
     ((v_0 + v_1) + ...) in float32 from v_0, then / (float)divisor (none when 1.0)."""
     cdef int64_t n = _q_table_n("twobit_block_decompress_sum", dst_ptrs, offsets, counts, lo, hi)
     if n == 0:
-        _tbb_decompress_raw("twobit_block_decompress_sum", codes, values, block, NULL, NULL,
-                            lo, hi, 0, divisor)
+        _q_block_decompress_raw("twobit_block_decompress_sum", 2, "codes", "values", codes, values, block,
+                                NULL, NULL, lo, hi, 0, divisor)
         return
-    _tbb_decompress_raw("twobit_block_decompress_sum", codes, values, block, &dst_ptrs[0],
-                        &counts[0], lo, hi, n, divisor)
+    _q_block_decompress_raw("twobit_block_decompress_sum", 2, "codes", "values", codes, values, block,
+                            &dst_ptrs[0], &counts[0], lo, hi, n, divisor)
 
 
 def twobit_block_decompress_sum_array(const uint32_t[:, :] codes, const float[:, :] values,
@@ -144,5 +98,5 @@ def twobit_block_decompress_sum_array(const uint32_t[:, :] codes, const float[:,
     """twobit_block_decompress_sum into one contiguous float32 array (n = len(out))."""
     cdef int64_t n = out.shape[0]
     cdef int64_t ptr = <int64_t> <uintptr_t> &out[0] if n > 0 else 0
-    _tbb_decompress_raw("twobit_block_decompress_sum_array", codes, values, block, &ptr, &n,
-                        0, 1, n, divisor)
+    _q_block_decompress_raw("twobit_block_decompress_sum_array", 2, "codes", "values", codes, values,
+                            block, &ptr, &n, 0, 1, n, divisor)
