@@ -15,3 +15,16 @@ def mpiexec_path():
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)
+
+
+# The fast loop (README: ``pytest -m "not slow"``) leaves out what launches processes or
+# builds: every test marked ``mpi`` (mpiexec launches) or ``one_leg`` (rebuilds, compilers,
+# the kernel emulator, process deaths, the 3- and 4-rank launches) is ``slow`` too; the
+# experiment runs and other long tests carry the mark themselves.
+_SLOW_BECAUSE = ("mpi", "one_leg")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(item.get_closest_marker(m) is not None for m in _SLOW_BECAUSE):
+            item.add_marker(pytest.mark.slow)

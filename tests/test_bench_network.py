@@ -18,6 +18,8 @@ from gradfuse.bench.network_worker import WORKLOADS, buckets
 
 from helpers import run_limited
 
+pytestmark = pytest.mark.slow     # launches ranks and emulated hosts
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 def _can_make_namespaces():

@@ -24,6 +24,8 @@ import tempfile
 
 import pytest
 
+pytestmark = pytest.mark.slow     # compilers: nvcc and NVRTC over every kernel
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CUDA_DIR = os.path.join(os.path.dirname(HERE), "cuda")
 CU_FILES = sorted(f for f in os.listdir(CUDA_DIR) if f.endswith(".cu"))

@@ -18,6 +18,8 @@ from fuzz_common import COUNTS, build_case, fuzz_settings, pipeline_cases, pipel
 import gradfuse  # noqa: E402
 from gradfuse.comm import SingleProcessCommunicator  # noqa: E402
 
+pytestmark = pytest.mark.slow     # deterministic fuzzing, thousands of calls
+
 N = 300                 # cases per communicator
 HANG_S = 20             # a single case that takes longer than this is a hang
 

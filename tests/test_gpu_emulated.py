@@ -17,6 +17,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 from helpers import run_limited  # noqa: E402
 
+pytestmark = pytest.mark.slow     # the kernel emulator: CUDA kernels compiled for the CPU and run in-process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -20,6 +20,8 @@ from gradfuse.bench import netns
 
 from test_bench_network import needs_root
 
+pytestmark = pytest.mark.slow     # network probes over loopback
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 SCRIPT = os.path.join(ROOT, "scripts", "net_ceiling.py")
