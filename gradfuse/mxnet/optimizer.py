@@ -65,7 +65,7 @@ class _Reducer:
 
     def stats(self):
         """The counters of all bucket pipelines, summed (after the groups in flight)."""
-        from ..step import Stats
+        from ..step.stats import Stats
         self.synchronize()
         total = Stats()
         for p in self.pipelines:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from ..pipeline import Pipeline
-from ..step import Stats
+from ..step.stats import Stats
 from .comm import TorchCommunicator
 
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
