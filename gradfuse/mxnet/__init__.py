@@ -29,6 +29,7 @@ Example:
     >>> trainer = hvd.DistributedTrainer(net.collect_params(), "sgd",
     ...                                  {"learning_rate": 0.1}, compress="1bit")
 """
+from . import adamw  # noqa: F401  (registers the "adamw" optimizer with MXNet)
 from .basics import (ProcessSet, add_process_set, ccl_built, cross_rank, cross_size, cuda_built,
                      ddl_built, global_process_set, gloo_built, gloo_enabled, init, is_initialized,
                      local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
