@@ -202,7 +202,7 @@ class Coordinator:
         done = [False] * len(reqs)
         start = time.monotonic()
         warn_s = config.stall_warning_s()
-        timeout_s = config.stall_timeout_s()
+        user_timeout_s = timeout_s = config.stall_timeout_s()
         if timeout_s and comm.rank != 0:
             timeout_s += COORDINATOR_LEAD_S    # the coordinator, which names the culprits, goes first
         next_warn = warn_s if warn_s else None
@@ -219,8 +219,11 @@ class Coordinator:
                 warnings.warn(self._stall_message(request, missing_of, done, waited), StallWarning,
                               stacklevel=2)
             if timeout_s and waited >= timeout_s:
-                text = ("gradfuse: stall timeout (GRADFUSE_STALL_TIMEOUT_S=%g): "
-                        % timeout_s) + self._stall_message(request, missing_of, done, waited)
+                # the value the user set (and where): this rank's lead over rank 0 is ours
+                lead = (f", and {COORDINATOR_LEAD_S:g} s more on ranks other than 0 so that rank 0 "
+                        f"speaks first" if timeout_s != user_timeout_s else "")
+                text = (f"gradfuse: stall timeout ({config.source('GRADFUSE_STALL_TIMEOUT_S')}="
+                        f"{user_timeout_s:g}{lead}): ") + self._stall_message(request, missing_of, done, waited)
                 announce_and_abort(text + "; aborting the job", comm.abort, 1)
             # spin briefly (latency), then back off to at most 1 ms (CPU for compute)
             if waited > 1e-4:

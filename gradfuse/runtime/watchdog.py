@@ -219,7 +219,7 @@ class _Hooks:
             if timeout and now - start > limit:
                 self.abort(f"gradfuse: rank {self.rank}: watchdog: collective {name!r} on the "
                            f"{ctx.comm.describe()} has run {now - start:.1f} s, longer than "
-                           f"GRADFUSE_STALL_TIMEOUT_S={timeout:g} (+{_CONTROL_GRACE_S:g} s for the "
+                           f"{config.source('GRADFUSE_STALL_TIMEOUT_S')}={timeout:g} (+{_CONTROL_GRACE_S:g} s for the "
                            f"control plane); the communication thread is stuck in:\n"
                            f"{self._stack(ctx.engine)}aborting the job")
 
