@@ -320,6 +320,42 @@ def allgather(arrays, **kw):
     return allgather_async(arrays, **kw).wait()
 
 
+def allgather_rows_async(shapes, dtypes, names=None, comm=None):
+    """The first round of an allgather whose outputs must be sized before its data moves
+    (a framework binding's): the ranks agree on the allgather as ``allgather_async`` of
+    arrays of these ``shapes`` and ``dtypes`` would (names, every dimension but the
+    first, dtypes), and the handle's result is every rank's first dimensions (int64,
+    ``[size, len(shapes)]``). A disagreement thus raises at this round, on every rank,
+    with the message the data round would give.
+    """
+    ctx = _context(comm)
+    shapes = [tuple(int(d) for d in s) for s in shapes]
+    dtypes = [np.dtype(d) for d in dtypes]
+
+    def build():
+        if len(shapes) != len(dtypes):
+            raise ValueError(f"allgather: {len(shapes)} shapes for {len(dtypes)} dtypes")
+        nm = _names("allgather", names, len(shapes), ctx)
+        for s, name in zip(shapes, nm):
+            if not s:
+                raise ValueError(f"allgather: tensor {name!r} is a scalar; allgather needs at least one dimension")
+        req = Request("allgather", nm, [("*",) + s[1:] for s in shapes], [str(d) for d in dtypes],
+                      {"size": ctx.comm.size})
+        return req, nm
+
+    def job_of(nm):
+        def job():
+            c = ctx.comm
+            mine = np.array([s[0] for s in shapes], dtype=np.int64)
+            rows = np.empty((c.size, len(shapes)), dtype=np.int64)
+            if len(shapes):
+                c.allgather(mine, rows)
+            return rows
+        return job
+
+    return _submit(ctx, "allgather", build, job_of)
+
+
 # --- alltoall ----------------------------------------------------------------------
 def alltoall_async(array, splits=None, name=None, comm=None, runner_only=False):
     """Send ``splits[r]`` rows of ``array`` to rank r; the result is (rows received, splits received).
