@@ -94,9 +94,10 @@ def _check_arrays(op, arrays, names, reduce):
             raise ValueError(f"{op}: tensor {name!r} is not C-contiguous")
 
 
-def _runner(ctx, op, build, job_of):
+def _runner(ctx, op, build, job_of, suffix=""):
     """Validate locally (``build`` returns (request, state)); return the function that
-    negotiates and runs on the communication thread.
+    negotiates and runs on the communication thread (its timeline spans name the
+    request's tensors, each with ``suffix`` appended).
 
     A local validation error still takes part in the negotiation, so the other ranks
     raise too instead of waiting.
@@ -110,7 +111,7 @@ def _runner(ctx, op, build, job_of):
             ctx.coordinator.negotiate(bad)
         return refuse
     job = job_of(state)
-    names = request.names
+    names = [n + suffix for n in request.names] if suffix else request.names
 
     def run():
         with _tl.stage("op", op, names):       # the timeline: negotiation, then the job
@@ -120,8 +121,8 @@ def _runner(ctx, op, build, job_of):
     return run
 
 
-def _submit(ctx, op, build, job_of, runner_only=False):
-    run = _runner(ctx, op, build, job_of)
+def _submit(ctx, op, build, job_of, runner_only=False, suffix=""):
+    run = _runner(ctx, op, build, job_of, suffix)
     return run if runner_only else ctx.engine.submit(run, op)
 
 
@@ -353,7 +354,9 @@ def allgather_rows_async(shapes, dtypes, names=None, comm=None):
             return rows
         return job
 
-    return _submit(ctx, "allgather", build, job_of)
+    # on the timeline a round of its own (``<name>.rows``): the data round's spans stay
+    # those of Horovod's allgather (docs/horovod.md, the timeline)
+    return _submit(ctx, "allgather", build, job_of, suffix=".rows")
 
 
 # --- alltoall ----------------------------------------------------------------------
