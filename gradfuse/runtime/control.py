@@ -27,7 +27,7 @@ import time
 import warnings
 
 from .. import config
-from ..errors import MismatchError, RemoteInputError
+from ..errors import GradfuseError, MismatchError, RemoteInputError
 from .abort import COORDINATOR_LEAD_S, announce_and_abort
 
 _MSG = struct.Struct("<Q16sQ")     # sequence number, request digest, step tag
@@ -153,6 +153,9 @@ class Coordinator:
         self.seq = 0
         self.negotiations = 0
         self.mismatches = 0
+        # set by the exit protocol (gradfuse.runtime.watchdog) once every rank has ended
+        # its script: a collective then fails at once, naming why
+        self.closed = None
 
     def negotiate(self, request, step=0):
         """Return when all ranks proposed the same ``request``; raise on every rank if not.
@@ -163,6 +166,8 @@ class Coordinator:
         self.seq += 1
         self.negotiations += 1
         comm = self.comm
+        if self.closed is not None and comm.size > 1:
+            raise GradfuseError(f"{self.closed}: collective #{self.seq} ({request.summary()}) refused")
         if comm.size == 1:
             if request.error is not None:
                 raise request.error
