@@ -96,8 +96,7 @@ def _check_arrays(op, arrays, names, reduce):
 
 def _runner(ctx, op, build, job_of, suffix=""):
     """Validate locally (``build`` returns (request, state)); return the function that
-    negotiates and runs on the communication thread (its timeline spans name the
-    request's tensors, each with ``suffix`` appended).
+    negotiates and runs on the communication thread (timeline: the names + ``suffix``).
 
     A local validation error still takes part in the negotiation, so the other ranks
     raise too instead of waiting.
@@ -271,24 +270,30 @@ def broadcast(arrays, root, **kw):
 # --- allgather ---------------------------------------------------------------------
 def _need_dim(op, arrays, names):
     for a, name in zip(arrays, names):
-        if a.ndim == 0:
+        if len(a.shape) == 0:
             raise ValueError(f"{op}: tensor {name!r} is a scalar; {op} needs at least one dimension")
 
 
-def allgather_async(arrays, names=None, comm=None, runner_only=False):
+def allgather_async(arrays, names=None, comm=None, runner_only=False, rows_only=False):
     """Concatenate each array along its first dimension across ranks (rank order).
 
     The first dimension may differ between ranks; the other dimensions and the dtype
-    must match. The handle's result is a list of new arrays.
+    must match. The handle's result is a list of new arrays. ``rows_only``: the first
+    round of an allgather whose outputs must be sized before its data moves (a
+    binding's): ``arrays`` need only ``shape`` and ``dtype``, the ranks agree as on the
+    data (a disagreement raises here, with the same message), and the result is every
+    rank's first dimensions (int64, ``[size, len(arrays)]``); its timeline track is
+    ``<name>.rows``.
     """
     ctx = _context(comm)
     arrays = list(arrays)
 
     def build():
         nm = _names("allgather", names, len(arrays), ctx)
-        _check_arrays("allgather", arrays, nm, reduce=False)
+        if not rows_only:
+            _check_arrays("allgather", arrays, nm, reduce=False)
         _need_dim("allgather", arrays, nm)
-        req = Request("allgather", nm, [("*",) + a.shape[1:] for a in arrays],
+        req = Request("allgather", nm, [("*",) + tuple(a.shape[1:]) for a in arrays],
                       [str(a.dtype) for a in arrays], {"size": ctx.comm.size})
         return req, nm
 
@@ -300,6 +305,8 @@ def allgather_async(arrays, names=None, comm=None, runner_only=False):
             rows = np.empty((c.size, len(arrays)), dtype=np.int64)
             if len(arrays):
                 c.allgather(mine, rows)
+            if rows_only:
+                return rows
             outs = []
             for i, a in enumerate(arrays):
                 per_row = int(np.prod(a.shape[1:], dtype=np.int64))
@@ -314,49 +321,11 @@ def allgather_async(arrays, names=None, comm=None, runner_only=False):
             return outs
         return job
 
-    return _submit(ctx, "allgather", build, job_of, runner_only)
+    return _submit(ctx, "allgather", build, job_of, runner_only, suffix=".rows" if rows_only else "")
 
 
 def allgather(arrays, **kw):
     return allgather_async(arrays, **kw).wait()
-
-
-def allgather_rows_async(shapes, dtypes, names=None, comm=None):
-    """The first round of an allgather whose outputs must be sized before its data moves
-    (a framework binding's): the ranks agree on the allgather as ``allgather_async`` of
-    arrays of these ``shapes`` and ``dtypes`` would (names, every dimension but the
-    first, dtypes), and the handle's result is every rank's first dimensions (int64,
-    ``[size, len(shapes)]``). A disagreement thus raises at this round, on every rank,
-    with the message the data round would give.
-    """
-    ctx = _context(comm)
-    shapes = [tuple(int(d) for d in s) for s in shapes]
-    dtypes = [np.dtype(d) for d in dtypes]
-
-    def build():
-        if len(shapes) != len(dtypes):
-            raise ValueError(f"allgather: {len(shapes)} shapes for {len(dtypes)} dtypes")
-        nm = _names("allgather", names, len(shapes), ctx)
-        for s, name in zip(shapes, nm):
-            if not s:
-                raise ValueError(f"allgather: tensor {name!r} is a scalar; allgather needs at least one dimension")
-        req = Request("allgather", nm, [("*",) + s[1:] for s in shapes], [str(d) for d in dtypes],
-                      {"size": ctx.comm.size})
-        return req, nm
-
-    def job_of(nm):
-        def job():
-            c = ctx.comm
-            mine = np.array([s[0] for s in shapes], dtype=np.int64)
-            rows = np.empty((c.size, len(shapes)), dtype=np.int64)
-            if len(shapes):
-                c.allgather(mine, rows)
-            return rows
-        return job
-
-    # on the timeline a round of its own (``<name>.rows``): the data round's spans stay
-    # those of Horovod's allgather (docs/horovod.md, the timeline)
-    return _submit(ctx, "allgather", build, job_of, suffix=".rows")
 
 
 # --- alltoall ----------------------------------------------------------------------
