@@ -252,6 +252,9 @@ class _Hooks:
         watches meanwhile, so a peer that has left, or a stall, ends the job promptly."""
         marks = []
         for ctx in self._contexts():
+            thread = getattr(ctx.engine, "_thread", None)
+            if thread is None or not thread.is_alive():     # an engine shut down runs nothing
+                continue
             try:
                 marks.append(ctx.engine.submit(lambda: None, "end of the script"))
             except Exception:                # a context being torn down: nothing to run
