@@ -118,3 +118,17 @@ def test_the_stall_timeout_message_prints_the_value_the_user_set(monkeypatch, ra
     else:
         assert f"({var}=0.05, and 0.2 s more on ranks other than 0 so that rank 0 speaks first)" in msg, msg
         assert "waiting for the coordinator, rank 0" in msg and waited >= 0.25, msg
+
+
+def test_a_closed_control_plane_refuses_at_once():
+    """After the exit protocol's clean end (every rank has ended its script) a collective
+    cannot be matched: negotiate raises at once instead of waiting for the stall timeout."""
+    from gradfuse.errors import GradfuseError
+    from gradfuse.runtime import control
+    coord = control.Coordinator(_NeverArrives(1))
+    coord.closed = "gradfuse: rank 1: every rank has ended its script"
+    t0 = time.monotonic()
+    with pytest.raises(GradfuseError, match=r"^gradfuse: rank 1: every rank has ended its script: collective #1 "
+                                            r"\(allreduce of \['w'\]\) refused$"):
+        coord.negotiate(control.Request("allreduce", names=["w"], shapes=[(3,)], dtypes=["float32"]))
+    assert time.monotonic() - t0 < 1.0
