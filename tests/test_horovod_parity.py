@@ -51,7 +51,9 @@ def test_horovods_own_mxnet_tests_pass_on_gradfuse():
     here = os.path.join(source, "test", "parallel")
     assert os.path.isfile(os.path.join(here, "test_mxnet1.py")), f"no test/parallel/test_mxnet1.py in {source}"
     env = _mpi_env()
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, SHIM, env.get("PYTHONPATH")) if p)
+    # absolute: the run's folder is Horovod's, not this one
+    outer = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([ROOT, SHIM] + outer)
     cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "pytest",
            "test_mxnet1.py", "-q", "-rs", "-p", "no:cacheprovider", "-W", "ignore::DeprecationWarning"]
     code, out, timed_out = run_limited(cmd, timeout=400, env=env, cwd=here)
