@@ -59,9 +59,29 @@ class BucketIO:
             if self.on_gpu:
                 self.stream.synchronize()
 
+    def reordered(self, layout):
+        """The same views in the order of ``layout`` (a layout with the same named tensors,
+        ``tensor_set``), under its names."""
+        pos = {(_bare(n), s): i for i, (n, s) in enumerate(zip(self.layout[0], self.layout[1]))}
+        order = [pos[(_bare(n), tuple(s))] for n, s in zip(layout[0], layout[1])]
+        return BucketIO(self.buf, [self.views[i] for i in order], list(layout[0]), layout, self.on_gpu,
+                        self.stream, self.device, self._words, self._f32)
+
     def future(self):
         """The future DDP waits for (CUDA-aware for a GPU bucket)."""
         return _device.BRIDGE.future(self.buf) if self.on_gpu else torch.futures.Future()
+
+
+def _bare(name):
+    """A tensor's name without its ``bucket<i>.`` prefix."""
+    return name.split(".", 1)[1]
+
+
+def tensor_set(layout):
+    """What a layout holds, whatever its order and bucket index: its tensors' names and
+    shapes, and the dtype."""
+    names, shapes, dtype = layout
+    return frozenset((_bare(n), tuple(s)) for n, s in zip(names, shapes)), len(names), dtype
 
 
 class _Null:

@@ -194,6 +194,20 @@ class CompressionState:
             entry[1] = True
         return entry[0]
 
+    def _restored(self, warm, idx, io):
+        """``(index, io)`` to run: a restarted DDP runs its first iteration on its initial
+        buckets, in parameter order, and only then on the rebuilt ones (in the order the
+        gradients became ready) that the restored state was saved for. A restored layout
+        not yet in use that holds the same named tensors takes such a bucket in its own
+        order, so a resumed run continues bit-exactly (names from ``module=`` only)."""
+        if not self._names or (warm, idx, io.layout) in self._pipes:
+            return idx, io
+        want = _buckets.tensor_set(io.layout)
+        for (w, j, layout), (_, used) in self._pipes.items():
+            if w == warm and not used and _buckets.tensor_set(layout) == want:
+                return j, io.reordered(layout)
+        return idx, io
+
     def reduce(self, bucket):
         """Start the averaged exchange of ``bucket``; a Future of its buffer."""
         idx = bucket.index()
@@ -203,6 +217,7 @@ class CompressionState:
             bucket.buffer().mul_(1.0 / self.comm.size)
         io = _buckets.read(bucket, self._names)
         with self._lock:
+            idx, io = self._restored(warm, idx, io)
             pipe = self._pipeline(warm, idx, io.layout)
             handle = io.submit(pipe)
             self.calls += 1
