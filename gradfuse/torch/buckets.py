@@ -45,10 +45,12 @@ class BucketIO:
             return _Null()
         return _Both(_device.cupy().cuda.Device(self.device), self.stream)
 
-    def submit(self, pipe):
-        """Start ``pipe``'s step on the views (in place); its ``Handle``."""
+    def submit(self, pipe, views=None, names=None):
+        """Start ``pipe``'s step on the views (in place; or on ``views`` named ``names``, on
+        this bucket's device and stream); its ``Handle``."""
+        views = self.views if views is None else views
         with self._context():
-            return pipe.allreduce_async(self.views, out=self.views, names=self.names)
+            return pipe.allreduce_async(views, out=views, names=self.names if names is None else list(names))
 
     def finish(self):
         """After the step: a bf16 bucket's float32 result rounded once into its words, and
@@ -59,29 +61,14 @@ class BucketIO:
             if self.on_gpu:
                 self.stream.synchronize()
 
-    def reordered(self, layout):
-        """The same views in the order of ``layout`` (a layout with the same named tensors,
-        ``tensor_set``), under its names."""
-        pos = {(_bare(n), s): i for i, (n, s) in enumerate(zip(self.layout[0], self.layout[1]))}
-        order = [pos[(_bare(n), tuple(s))] for n, s in zip(layout[0], layout[1])]
-        return BucketIO(self.buf, [self.views[i] for i in order], list(layout[0]), layout, self.on_gpu,
-                        self.stream, self.device, self._words, self._f32)
-
     def future(self):
         """The future DDP waits for (CUDA-aware for a GPU bucket)."""
         return _device.BRIDGE.future(self.buf) if self.on_gpu else torch.futures.Future()
 
 
-def _bare(name):
+def bare(name):
     """A tensor's name without its ``bucket<i>.`` prefix."""
     return name.split(".", 1)[1]
-
-
-def tensor_set(layout):
-    """What a layout holds, whatever its order and bucket index: its tensors' names and
-    shapes, and the dtype."""
-    names, shapes, dtype = layout
-    return frozenset((_bare(n), tuple(s)) for n, s in zip(names, shapes)), len(names), dtype
 
 
 class _Null:

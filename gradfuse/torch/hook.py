@@ -29,6 +29,7 @@ from ..pipeline import Pipeline
 from ..step.stats import Stats
 from . import buckets as _buckets
 from . import checkpoint as _ckpt
+from . import regroup as _regroup
 from .comm import TorchCommunicator
 
 _HUGE = 1 << 40        # one DDP bucket = one gradfuse bucket, never split, never reduced "direct"
@@ -68,7 +69,7 @@ class CompressionState:
 
     __slots__ = ("compress", "momentum", "start_iter", "comm", "iteration", "calls", "layout_changes",
                  "_opts", "_names", "_pipes", "_retired", "_warned", "_lock", "_finisher", "_plain",
-                 "last_error")
+                 "last_error", "_regroup")
 
     def __init__(self, compress="1bit", process_group=None, *, momentum=0.0, start_iter=0, module=None,
                  min_elements=0, nonfinite="raise", **options):
@@ -96,6 +97,7 @@ class CompressionState:
         # DDP re-raises a hook's error as a RuntimeError carrying its message; the original
         # (a NonFiniteError, a MismatchError, ...) stays here, for code that must tell them apart
         self.last_error = None
+        self._regroup = None          # a restarted DDP's first iteration on restored layouts
         self._lock = threading.Lock()
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="gradfuse-ddp-hook")
 
@@ -160,6 +162,7 @@ class CompressionState:
         with self._lock:
             self.iteration, self.calls = int(sd["iteration"]), int(sd["calls"])
             self._retire(list(self._pipes))
+            self._regroup = None
             ok = True
             for b in sd["buckets"]:
                 layout = (tuple(b["names"]), tuple(tuple(s) for s in b["shapes"]), b["dtype"])
@@ -194,19 +197,24 @@ class CompressionState:
             entry[1] = True
         return entry[0]
 
-    def _restored(self, warm, idx, io):
-        """``(index, io)`` to run: a restarted DDP runs its first iteration on its initial
-        buckets, in parameter order, and only then on the rebuilt ones (in the order the
-        gradients became ready) that the restored state was saved for. A restored layout
-        not yet in use that holds the same named tensors takes such a bucket in its own
-        order, so a resumed run continues bit-exactly (names from ``module=`` only)."""
+    def _regrouped(self, warm, idx, io):
+        """The ``Regroup`` that takes this bucket (a restarted DDP's first buckets, whose
+        tensors a restored layout holds in DDP's rebuilt grouping), or None."""
+        rg = self._regroup
+        if rg is not None and not rg.done and rg.covers(io):
+            return rg
+        self._regroup = None
         if not self._names or (warm, idx, io.layout) in self._pipes:
-            return idx, io
-        want = _buckets.tensor_set(io.layout)
-        for (w, j, layout), (_, used) in self._pipes.items():
-            if w == warm and not used and _buckets.tensor_set(layout) == want:
-                return j, io.reordered(layout)
-        return idx, io
+            return None
+        restored = {k: k[2] for k, (_, used) in self._pipes.items() if not used and k[0] == warm}
+        rg = _regroup.Regroup(restored, self._finisher, self._failed) if restored else None
+        if rg is None or not rg.covers(io):
+            return None
+        self._regroup = rg
+        return rg
+
+    def _failed(self, exc):
+        self.last_error = exc
 
     def reduce(self, bucket):
         """Start the averaged exchange of ``bucket``; a Future of its buffer."""
@@ -217,12 +225,16 @@ class CompressionState:
             bucket.buffer().mul_(1.0 / self.comm.size)
         io = _buckets.read(bucket, self._names)
         with self._lock:
-            idx, io = self._restored(warm, idx, io)
+            self.calls += 1
+            last = bucket.is_last()
+            if last:
+                self.iteration += 1
+            rg = self._regrouped(warm, idx, io)
+            if rg is not None:
+                return rg.add(io, lambda key, layout, views, src: src.submit(
+                    self._pipeline(key[0], key[1], layout), views, layout[0]), last)
             pipe = self._pipeline(warm, idx, io.layout)
             handle = io.submit(pipe)
-            self.calls += 1
-            if bucket.is_last():
-                self.iteration += 1
         fut = io.future()
 
         def finish():
