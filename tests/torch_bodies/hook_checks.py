@@ -146,12 +146,17 @@ def check_bf16_buckets(rank):
     else:
         assert bool(((got.float() - ref.float()).abs() <= ulp).all()), "none: more than one bf16 ulp off"
     assert same_on_all_ranks(got)
-    for c, tol in (("bf16", 2), ("fp16", 2)):
+    # fp16 / bf16 on the wire: each add of the sum rounds once (to at most bf16's unit roundoff
+    # 2^-8 of a partial sum, which is at most p times the largest rank's value), then the mean
+    # rounds once to bf16
+    mag = torch.stack([e.float().abs() for e in every]).max(0).values
+    for c in ("bf16", "fp16"):
         got = _bf16_grads(lambda m: gt.CompressionState(c, module=m), rank, x, y)
         err = (got.float() - mean32).abs()
-        assert bool((err <= tol * ulp + 2.0 ** -24).all()), f"{c}: {float((err / ulp).max())} bf16 ulps from the mean"
+        bound = ulp + (p - 1) * 2.0 ** -8 * mag + 2.0 ** -24
+        assert bool((err <= bound).all()), f"{c}: {float((err / bound).max())} times the bound from the mean"
         assert same_on_all_ranks(got), c
-    # 1-bit on a bf16 model: a few steps train, identical on every rank, 1/16 of the bytes
+    # 1-bit on a bf16 model: a few steps train, identical on every rank, far fewer bytes than DDP's
     m = model(dtype=torch.bfloat16)
     ddp = DDP(m, bucket_cap_mb=SMALL)
     state = gt.CompressionState("1bit", module=m, momentum=0.9)
@@ -162,7 +167,10 @@ def check_bf16_buckets(rank):
     assert torch.isfinite(after).all() and not torch.equal(after, before)
     assert same_on_all_ranks(after), "1bit bf16: ranks hold different parameters"
     st = state.stats
-    assert 0 < st["bytes_sent"] < st["bytes_reduced"] / 16, st      # bytes_reduced: the float32 staging
+    # against DDP's own bf16 ring allreduce of the same gradients (bytes_reduced counts the
+    # float32 staging: twice the bf16 bytes)
+    ddp_bf16 = 2 * (p - 1) / p * st["bytes_reduced"] / 2
+    assert 0 < st["bytes_sent"] < 0.25 * ddp_bf16, (st, ddp_bf16)
 
 
 def check_no_mpi_was_imported(rank):
