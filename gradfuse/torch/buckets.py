@@ -126,7 +126,7 @@ def read(bucket, param_names):
     stream = dev = words = f32 = None
     if on_gpu:
         cp = _device.cupy()
-        dev = buf.device.index if buf.device.index is not None else torch.cuda.current_device()
+        dev = bridge.device_index(buf)
         stream = bridge.cupy_stream(buf)
         with cp.cuda.Device(dev), stream:
             if bf16:

@@ -51,6 +51,11 @@ class Bridge:
         """Whether ``tensor`` (a bucket's buffer) lives on a GPU."""
         return tensor.device.type == "cuda"
 
+    def device_index(self, tensor):
+        """The CUDA device number of ``tensor``."""
+        import torch
+        return tensor.device.index if tensor.device.index is not None else torch.cuda.current_device()
+
     def to_cupy(self, tensor):
         """A cupy array over ``tensor``'s memory (DLPack, no copy)."""
         return cupy().from_dlpack(tensor.detach())
