@@ -175,7 +175,8 @@ class TorchDeviceCommunicator(_TorchControl, DeviceCommunicator):
                 f"{self.size}, device {self.device}")
 
     def _call(self, fn):
-        """Run ``fn()`` (torch collectives) on the current stream, then wait for it."""
+        """Run ``fn()`` (DLPack views and torch collectives) with torch's current stream the
+        caller's (cupy's current stream), then wait for it."""
         with BRIDGE.torch_stream(self.device):
             fn()
         cupy().cuda.get_current_stream().synchronize()
@@ -192,8 +193,7 @@ class TorchDeviceCommunicator(_TorchControl, DeviceCommunicator):
     def allreduce_inplace(self, arr):
         if self._host(arr):
             return self.host.allreduce_inplace(arr)
-        t = self._t(arr)
-        self._call(lambda: self._dist().all_reduce(t, group=self.group))
+        self._call(lambda: self._dist().all_reduce(self._t(arr), group=self.group))
         return arr
 
     def allreduce(self, src, dst):
@@ -212,8 +212,7 @@ class TorchDeviceCommunicator(_TorchControl, DeviceCommunicator):
             raise ValueError(f"allreduce: src {a.dtype}[{a.size}] and dst {b.dtype}[{b.size}] differ")
         if a.data.ptr != b.data.ptr:
             b[...] = a
-        t = self._t(b)
-        self._call(lambda: dist.all_reduce(t, op=ops[op], group=self.group))
+        self._call(lambda: dist.all_reduce(self._t(b), op=ops[op], group=self.group))
         return dst
 
     native_sum16 = True
@@ -230,8 +229,8 @@ class TorchDeviceCommunicator(_TorchControl, DeviceCommunicator):
             return buf
         if native:
             import torch
-            t = self._t(b).view(getattr(torch, _SUM16_DTYPE[fmt]))
-            self._call(lambda: self._dist().all_reduce(t, group=self.group))
+            self._call(lambda: self._dist().all_reduce(self._t(b).view(getattr(torch, _SUM16_DTYPE[fmt])),
+                                                       group=self.group))
             return buf
         rows = self._scratch_buf(2 * b.size * self.size).view(np.uint16).reshape(self.size, b.size)
         self.allgather(b, rows)
@@ -249,22 +248,21 @@ class TorchDeviceCommunicator(_TorchControl, DeviceCommunicator):
         return buf
 
     def bcast(self, arr, root):
-        t = self._t(arr, True)
-        self._call(lambda: self._dist().broadcast(t, src=self.host._global[root], group=self.group))
+        self._call(lambda: self._dist().broadcast(self._t(arr, True), src=self.host._global[root], group=self.group))
         return arr
 
     def allgather(self, src, dst):
-        a, b = self._t(src, True), self._t(dst, True)
-        if b.numel() != a.numel() * self.size:
-            raise ValueError(f"allgather: dst of {b.numel()} bytes, expected {self.size} x {a.numel()}")
-        self._call(lambda: all_gather_into(b, a, self.group))
+        na, nb = as_bytes(as_device(src)).size, as_bytes(as_device(dst)).size
+        if nb != na * self.size:
+            raise ValueError(f"allgather: dst of {nb} bytes, expected {self.size} x {na}")
+        self._call(lambda: all_gather_into(self._t(dst, True), self._t(src, True), self.group))
         return dst
 
     def alltoall(self, src, dst):
-        a, b = self._t(src, True), self._t(dst, True)
-        if a.numel() % self.size or a.numel() != b.numel():
-            raise ValueError(f"alltoall: {a.numel()} bytes do not split into {self.size} equal blocks")
-        self._call(lambda: self._dist().all_to_all_single(b, a, group=self.group))
+        na, nb = as_bytes(as_device(src)).size, as_bytes(as_device(dst)).size
+        if na % self.size or na != nb:
+            raise ValueError(f"alltoall: {na} bytes do not split into {self.size} equal blocks")
+        self._call(lambda: self._dist().all_to_all_single(self._t(dst, True), self._t(src, True), group=self.group))
         return dst
 
     @staticmethod
