@@ -203,6 +203,8 @@ class CompressionState:
         rg = self._regroup
         if rg is not None and not rg.done and rg.covers(io):
             return rg
+        if rg is not None:
+            rg.flush(self._submit_group, io)      # no bucket's future may wait for tensors that never come
         self._regroup = None
         if not self._names or (warm, idx, io.layout) in self._pipes:
             return None
@@ -212,6 +214,10 @@ class CompressionState:
             return None
         self._regroup = rg
         return rg
+
+    def _submit_group(self, key, layout, views, src):
+        """Start a regrouped step: ``views`` (laid out as ``layout``) on the pipeline of ``key``."""
+        return src.submit(self._pipeline(key[0], key[1], layout), views, layout[0])
 
     def _failed(self, exc):
         self.last_error = exc
@@ -231,8 +237,7 @@ class CompressionState:
                 self.iteration += 1
             rg = self._regrouped(warm, idx, io)
             if rg is not None:
-                return rg.add(io, lambda key, layout, views, src: src.submit(
-                    self._pipeline(key[0], key[1], layout), views, layout[0]), last)
+                return rg.add(io, self._submit_group, last)
             pipe = self._pipeline(warm, idx, io.layout)
             handle = io.submit(pipe)
         fut = io.future()

@@ -13,7 +13,8 @@ have arrived, in that layout's order, on its restored pipeline: exactly the step
 uninterrupted run made. A DDP bucket's future completes when every step holding one of
 its tensors has (DDP waits for the futures only at the end of the backward pass, so a
 bucket may wait for a later one). A restored layout still incomplete at the iteration's
-last bucket runs with what it got, on a fresh pipeline.
+last bucket, or when a bucket comes that the restored layouts do not hold, runs with what
+it got, on a fresh pipeline.
 """
 from .buckets import bare
 
@@ -71,14 +72,18 @@ class Regroup:
             call.pending.add(key)
             if key not in touched:
                 touched.append(key)
-        ready = [k for k in touched if len(self.got[k]) == len(self.layouts[k][0])]
-        if last:
-            ready += [k for k in self.got if self.got[k] and k not in ready]
-        for key in ready:
+        for key in [k for k in touched if len(self.got[k]) == len(self.layouts[k][0])]:
             self._run(key, submit, io)
         if last:
-            self.got.clear()
+            self.flush(submit, io)
         return call.fut
+
+    def flush(self, submit, io):
+        """Run every restored layout that got some of its tensors, with what it got (the
+        iteration ended, or a bucket came that no restored layout holds), and end."""
+        for key in [k for k in self.got if self.got[k]]:
+            self._run(key, submit, io)
+        self.got.clear()
 
     def _run(self, key, submit, io):
         names, shapes, dtype = self.layouts[key]
