@@ -44,6 +44,7 @@ from gradfuse.torch import device as gdev  # noqa: E402
 BACKEND = sys.argv[1] if len(sys.argv) > 1 else "gloo"
 DIRECT = sys.argv[2:3] == ["direct"]
 COMPRESSORS = (None, "fp16", "bf16", "1bit", "2bit", "topk", "randomk")
+HOST_GROUP = []         # a gloo group of every rank, for the host path's reference (made in main)
 
 
 class EmulatorBridge(gdev.Bridge):
@@ -122,7 +123,8 @@ def compare(compress, rank, dtype, steps=3):
     ddp = DDP(m, bucket_cap_mb=0.002, **({"device_ids": [DEVICE.index]} if DEVICE.type == "cuda" else {}))
     opts = {"momentum": 0.9} if compress not in (None, "fp16", "bf16") else {}
     state = gt.CompressionState(compress, module=m, **opts)
-    host = gt.CompressionState(compress, module=m, **opts)
+    # the host path on a gloo group of the same ranks (an NCCL group moves no CPU tensors)
+    host = gt.CompressionState(compress, process_group=HOST_GROUP[0], module=m, **opts)
     seen, futures = [], []
 
     def recording_hook(st, bucket):
@@ -178,6 +180,7 @@ def main():
     if DEVICE.type == "cuda":
         torch.cuda.set_device(DEVICE)
     rank, size = gt.init_process_group(BACKEND)
+    HOST_GROUP.append(dist.new_group(backend="gloo"))
     print(f"DEVICE {DEVICE} backend {BACKEND} emulated {EMULATED} rank {rank} of {size}", flush=True)
     names = sys.argv[3:] or [n for n in globals() if n.startswith("check_")]
     for name in names:
