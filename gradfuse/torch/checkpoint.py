@@ -3,9 +3,9 @@
 ``CompressionState.state_dict()`` holds CPU tensors (residuals, velocities) and plain
 values (ints, floats, strings, lists, tuples, dicts, None), so ``torch.load(path)`` with
 PyTorch's default ``weights_only=True`` restores it, and the restored state continues
-bit-exactly. Format ``gradfuse-torch-2``; a ``gradfuse-torch-1`` dict (numpy arrays,
-written before the state held tensors) still loads, from memory or from a file loaded with
-``weights_only=False``; any other format is refused by name.
+bit-exactly. Format ``gradfuse-torch-2``; a ``gradfuse-torch-1`` dict (the same with numpy
+arrays) loads too, from memory or from a file loaded with ``weights_only=False``; any other
+format is refused by name.
 
 ``gather`` / ``pick`` carry every rank's state through one file (Lightning writes its
 checkpoint on rank 0 only): the states travel as ``torch.save`` bytes over the hook's gloo
