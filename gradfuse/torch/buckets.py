@@ -15,8 +15,9 @@ own top-k / random-k selection), without a copy:
   staging buffer by gradfuse's ``cast_from16`` kernel (bf16 -> float32 is exact), the
   step reduces the staging buffer (any compressor; ``bf16`` sends the bucket's own
   words), and ``cast_to16`` rounds the result once, to nearest even, back into the
-  bucket. Uncompressed, the bf16 values are summed in float32 and rounded once, where
-  DDP's own allreduce rounds to bf16 at every add of its ring.
+  bucket. Uncompressed (after the hook's 1/p scaling in bf16, DDP's), the bf16 values are
+  summed in float32 and rounded once, where DDP's own allreduce rounds to bf16 at every
+  add of its ring.
 """
 import numpy as np
 import torch
