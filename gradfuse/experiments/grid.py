@@ -165,12 +165,10 @@ def _validate_optimizer(where, s, exp):
     opt = s["optimizer"]
     if opt not in OPTIMIZERS:
         raise GridError(f"{where}: optimizer {opt!r} is not supported; valid: {', '.join(OPTIMIZERS)}")
-    foreign = sorted(k for other, keys in OWN_KEYS.items() if other != opt for k in keys
-                     if k in exp and k not in OWN_KEYS[opt])
+    foreign = sorted({k for keys in OWN_KEYS.values() for k in keys if k in exp and k not in OWN_KEYS[opt]})
     if foreign:
-        takes = " and ".join(repr(k) for k in OWN_KEYS[opt])
         raise GridError(f"{where}: sets {', '.join(map(repr, foreign))}, which optimizer {opt!r} does not take "
-                        f"({opt} takes lr, {takes} and wd)")
+                        f"({opt} takes lr, {', '.join(OWN_KEYS[opt])} and wd)")
     if opt in ADAM_FAMILY:
         betas = s["betas"]
         if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
