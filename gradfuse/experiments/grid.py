@@ -6,10 +6,12 @@ task options and its ``methods``; every method of an experiment gets the experim
 hyperparameters, so a method entry may only hold compressor settings::
 
     [defaults]
-    optimizer = "sgd"      # the only optimizer the runner drives
+    optimizer = "sgd"      # "sgd", "adam" (MXNet's) or "adamw" (gradfuse.mxnet's, torch's rule)
     lr = 0.1
-    momentum = 0.9
-    wd = 0.0
+    momentum = 0.9         # SGD only
+    betas = [0.9, 0.999]   # Adam and AdamW only (MXNet's beta1, beta2)
+    eps = 1e-8             # Adam and AdamW only (MXNet's epsilon)
+    wd = 0.0               # SGD and Adam: L2 in the gradient; AdamW: decoupled decay
     batch_size = 32        # per rank
     workers = [2]          # axis: world sizes (each gets its own mpiexec -n N)
     seeds = [0, 1, 2, 3, 4]   # axis: training seeds, paired across methods
@@ -26,6 +28,10 @@ hyperparameters, so a method entry may only hold compressor settings::
         {compress = "topk", ratio = 0.01},
     ]
 
+An experiment that sets a hyperparameter its optimizer does not take (``momentum`` with
+Adam, ``betas`` or ``eps`` with SGD) is refused; one inherited from ``[defaults]`` is
+left out of its runs (a run of Adam records momentum 0, a run of SGD no betas).
+
 Expanding a grid gives one ``RunSpec`` per task x method x option values x momentum
 correction x seed x world size. Every error names the grid, the experiment, the
 method and the value (``GridError``).
@@ -39,12 +45,14 @@ from dataclasses import asdict, dataclass, field
 
 from .tasks import TaskError, get_task
 
-HYPER_KEYS = ("optimizer", "lr", "momentum", "wd", "batch_size")
+HYPER_KEYS = ("optimizer", "lr", "momentum", "betas", "eps", "wd", "batch_size")
 AXIS_KEYS = ("workers", "seeds", "momentum_correction")
 DEFAULT_KEYS = HYPER_KEYS + AXIS_KEYS + ("split_seed", "max_steps_per_epoch")
 EXPERIMENT_KEYS = DEFAULT_KEYS + ("name", "task", "epochs", "task_options", "methods")
 CORRECTION_MODES = ("default", "on", "off")
-OPTIMIZERS = ("sgd",)
+OPTIMIZERS = ("sgd", "adam", "adamw")
+ADAM_FAMILY = ("adam", "adamw")
+OWN_KEYS = {"sgd": ("momentum",), "adam": ("betas", "eps"), "adamw": ("betas", "eps")}
 
 
 class GridError(ValueError):
@@ -62,7 +70,8 @@ class RunSpec:
     ``options`` are the compressor options as given (error feedback included);
     ``compressor_config`` is what ``gradfuse.compressors.create(...).get_config()``
     resolved them to, defaults filled in, so a change of the library's defaults is a
-    new run.
+    new run. ``momentum`` is 0 for Adam and AdamW; ``betas`` and ``eps`` are None for
+    SGD (and then left out of the id, so an SGD run keeps its id).
     """
 
     experiment: str
@@ -82,6 +91,8 @@ class RunSpec:
     split_seed: int
     workers: int
     max_steps_per_epoch: int = 0
+    betas: list = None
+    eps: float = None
     label: str = field(default="", compare=False)
 
     @property
@@ -89,6 +100,9 @@ class RunSpec:
         """A stable id: readable prefix + hash of everything that defines the run."""
         d = asdict(self)
         d.pop("label")
+        for k in ("betas", "eps"):
+            if d[k] is None:
+                d.pop(k)
         digest = hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
         safe = "".join(c if c.isalnum() else "-" for c in self.label).strip("-")
         return f"{self.experiment}-{safe}-s{self.seed}-w{self.workers}-{digest}"
@@ -96,6 +110,13 @@ class RunSpec:
     def to_dict(self):
         """The run as a plain dict of its fields (what the results store writes)."""
         return asdict(self)
+
+    def optimizer_params(self):
+        """The MXNet ``optimizer_params`` of this run (the same for every method)."""
+        if self.optimizer in ADAM_FAMILY:
+            return {"learning_rate": self.lr, "beta1": self.betas[0], "beta2": self.betas[1],
+                    "epsilon": self.eps, "wd": self.wd}
+        return {"learning_rate": self.lr, "momentum": self.momentum, "wd": self.wd}
 
     @classmethod
     def from_dict(cls, d):
@@ -139,13 +160,33 @@ def _check_number(where, key, v, kind, minimum=None, strict=False):
     return v
 
 
-def _validate_settings(where, s):
-    if s["optimizer"] not in OPTIMIZERS:
-        raise GridError(f"{where}: optimizer {s['optimizer']!r} is not supported; valid: {', '.join(OPTIMIZERS)}")
+def _validate_optimizer(where, s, exp):
+    """Check the optimizer and its own hyperparameters; ``exp``: the experiment's own keys."""
+    opt = s["optimizer"]
+    if opt not in OPTIMIZERS:
+        raise GridError(f"{where}: optimizer {opt!r} is not supported; valid: {', '.join(OPTIMIZERS)}")
+    foreign = sorted({k for keys in OWN_KEYS.values() for k in keys if k in exp and k not in OWN_KEYS[opt]})
+    if foreign:
+        raise GridError(f"{where}: sets {', '.join(map(repr, foreign))}, which optimizer {opt!r} does not take "
+                        f"({opt} takes lr, {', '.join(OWN_KEYS[opt])} and wd)")
+    if opt in ADAM_FAMILY:
+        betas = s["betas"]
+        if not (isinstance(betas, (list, tuple)) and len(betas) == 2):
+            raise GridError(f"{where}: 'betas' must be a list of two numbers in [0, 1), got {betas!r}")
+        for i, b in enumerate(betas):
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 0 <= b < 1:
+                raise GridError(f"{where}: 'betas' must be a list of two numbers in [0, 1), got {betas!r} "
+                                f"(beta{i + 1} = {b!r})")
+        _check_number(where, "eps", s["eps"], (int, float), 0)
+    else:
+        _check_number(where, "momentum", s["momentum"], (int, float), 0)
+        if s["momentum"] >= 1:
+            raise GridError(f"{where}: 'momentum' must be in [0, 1), got {s['momentum']!r}")
+
+
+def _validate_settings(where, s, exp=()):
+    _validate_optimizer(where, s, exp)
     _check_number(where, "lr", s["lr"], (int, float), 0, strict=True)
-    _check_number(where, "momentum", s["momentum"], (int, float), 0)
-    if s["momentum"] >= 1:
-        raise GridError(f"{where}: 'momentum' must be in [0, 1), got {s['momentum']!r}")
     _check_number(where, "wd", s["wd"], (int, float), 0)
     _check_number(where, "batch_size", s["batch_size"], int, 1)
     _check_number(where, "epochs", s["epochs"], int, 1)
@@ -175,7 +216,8 @@ def _correction_mode(where, m):
     return m
 
 
-BASE_DEFAULTS = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "wd": 0.0, "batch_size": 32,
+BASE_DEFAULTS = {"optimizer": "sgd", "lr": 0.1, "momentum": 0.9, "betas": [0.9, 0.999], "eps": 1e-8,
+                 "wd": 0.0, "batch_size": 32,
                  "workers": [2], "seeds": [0, 1, 2, 3, 4], "split_seed": 0,
                  "momentum_correction": ["default"], "max_steps_per_epoch": 0}
 
@@ -243,7 +285,8 @@ def expand(grid):
         except TaskError as exc:
             raise GridError(f"{where}: {exc}") from None
         s = {**defaults, **{k: v for k, v in exp.items() if k in DEFAULT_KEYS}, "epochs": exp["epochs"]}
-        _validate_settings(where, s)
+        _validate_settings(where, s, exp)
+        adam = s["optimizer"] in ADAM_FAMILY
         methods = []
         for j, entry in enumerate(exp["methods"]):
             methods += _expand_method(f"{where}, method #{j + 1}", entry, compressors)
@@ -252,7 +295,7 @@ def expand(grid):
         for name, opts, cfg, mc_override in methods:
             modes = _as_list(mc_override if mc_override is not None else s["momentum_correction"])
             for mc in (_correction_mode(where, m) for m in modes):
-                if mc == "on" and s["momentum"] == 0:
+                if mc == "on" and not adam and s["momentum"] == 0:
                     raise GridError(f"{where}: momentum_correction 'on' needs momentum > 0, got momentum 0")
                 for seed in _as_list(s["seeds"]):
                     for w in _as_list(s["workers"]):
@@ -263,8 +306,10 @@ def expand(grid):
                         runs.append(RunSpec(
                             experiment=ename, task=task.name, task_options=dict(task.options), compress=name,
                             options=opts, compressor_config=cfg, momentum_correction=mc,
-                            optimizer=s["optimizer"], lr=float(s["lr"]), momentum=float(s["momentum"]),
-                            wd=float(s["wd"]), batch_size=int(s["batch_size"]), epochs=int(s["epochs"]),
+                            optimizer=s["optimizer"], lr=float(s["lr"]),
+                            momentum=0.0 if adam else float(s["momentum"]),
+                            betas=[float(b) for b in s["betas"]] if adam else None,
+                            eps=float(s["eps"]) if adam else None, wd=float(s["wd"]), batch_size=int(s["batch_size"]), epochs=int(s["epochs"]),
                             seed=int(seed), split_seed=int(s["split_seed"]), workers=int(w),
                             max_steps_per_epoch=int(s["max_steps_per_epoch"]),
                             label=method_label(name, opts, cfg, mc)))
@@ -274,15 +319,20 @@ def expand(grid):
 def correction_options(spec, trainer_params=(), compressors=None):
     """Trainer keywords that realise ``spec.momentum_correction``, or ``UnsupportedError``.
 
-    DGC's momentum correction (each worker's velocity is what error feedback compresses;
-    the optimizer then runs without momentum). This is the one place that maps the grid's
-    axis to the library, and it asks the library what it supports:
+    The correction moves the optimizer's state into the compressor state, where error
+    feedback runs on it: DGC's momentum correction for SGD (each worker's velocity is what
+    error feedback compresses; the optimizer then runs without momentum), and for Adam and
+    AdamW whatever ``DistributedTrainer`` does under the same keyword. This is the one
+    place that maps the grid's axis to the library, and it asks the library what it
+    supports:
 
     * ``"default"``: nothing is passed; whatever gradfuse does by default.
     * a ``DistributedTrainer`` with a ``momentum_correction`` parameter (its name in
-      ``trainer_params``): ``momentum_correction=True`` for ``"on"``, ``False`` for ``"off"``;
-    * else a compressor that takes a ``momentum`` option: ``momentum=<the optimizer's>``
-      for ``"on"``, nothing for ``"off"``;
+      ``trainer_params``): ``momentum_correction=True`` for ``"on"``, ``False`` for ``"off"``
+      (a trainer that then refuses the optimizer makes the run refused: the worker
+      turns its error into ``correction_refused``'s);
+    * else, for SGD, a compressor that takes a ``momentum`` option: ``momentum=<the
+      optimizer's>`` for ``"on"``, nothing for ``"off"``;
     * else ``"on"`` is refused (``UnsupportedError``: the run is never made without it),
       and ``"off"`` passes nothing (there is no correction to turn off).
 
@@ -298,6 +348,13 @@ def correction_options(spec, trainer_params=(), compressors=None):
         return {}
     if "momentum_correction" in trainer_params:
         return {"momentum_correction": mode == "on"}
+    if spec.optimizer in ADAM_FAMILY:
+        if mode == "off":
+            return {}
+        raise UnsupportedError(
+            f"run {spec.id}: the Adam correction was asked for (momentum_correction='on', optimizer "
+            f"{spec.optimizer!r}) but this gradfuse does not support it: DistributedTrainer has no "
+            f"'momentum_correction' parameter; the run is refused rather than run without it.")
     try:
         compressors.create(spec.compress, **spec.options, momentum=spec.momentum)
     except TypeError as exc:
@@ -309,6 +366,19 @@ def correction_options(spec, trainer_params=(), compressors=None):
             f"'momentum_correction' parameter and compressor {spec.compress!r} takes no 'momentum' option "
             f"({exc}); the run is refused rather than run without it.") from None
     return {"momentum": spec.momentum} if mode == "on" else {}
+
+
+def correction_refused(spec, exc):
+    """The ``UnsupportedError`` of a run whose trainer refused ``momentum_correction=True``.
+
+    Args:
+        spec: the ``RunSpec`` (its ``momentum_correction`` is ``"on"``).
+        exc: the trainer's ``ValueError`` or ``TypeError``; its message is kept.
+    """
+    return UnsupportedError(
+        f"run {spec.id}: momentum correction was asked for (momentum_correction='on', optimizer "
+        f"{spec.optimizer!r}, compress {spec.compress!r}) but this gradfuse's DistributedTrainer refuses it: "
+        f"{exc}; the run is refused rather than run without it.")
 
 
 def load_grid(source):

@@ -9,6 +9,10 @@ Per classification experiment:
 * ``<experiment>_final_accuracy.png``: bars of the final accuracy (mean, ± std error
   bars, one dot per seed).
 
+Per language-model experiment: ``<experiment>_loss_vs_epoch.png``,
+``<experiment>_loss_vs_bytes.png`` and ``<experiment>_final_loss.png``, the same three
+for the validation loss (nats/byte).
+
 Per objective experiment (the counterexample): ``<experiment>_objective_vs_epoch.png``,
 f(x) on a log scale, the median over seeds with a min-max band, and f(x0) dashed.
 Per throughput experiment: ``<experiment>_throughput.png``, samples/s and bytes per step.
@@ -43,25 +47,34 @@ def _series(rows, key):
     return out
 
 
-def _band(ax, x, vals, label, color):
+def _band(ax, x, vals, label, color, clip=(0, 1)):
     mean = np.nanmean(vals, axis=0)
     std = np.nanstd(vals, axis=0, ddof=1) if vals.shape[0] > 1 else np.zeros_like(mean)
     ax.plot(x, mean, label=f"{label} (n={vals.shape[0]})", color=color)
     # accuracy is a fraction: the band is clipped to [0, 1] (the std of a bimodal set of
     # seeds, one diverged and four trained, would otherwise reach past 1)
-    ax.fill_between(x, np.clip(mean - std, 0, 1), np.clip(mean + std, 0, 1), color=color, alpha=0.2,
+    ax.fill_between(x, np.clip(mean - std, *clip), np.clip(mean + std, *clip), color=color, alpha=0.2,
                     linewidth=0)
 
 
 def _title(rows):
     r = rows[0]
-    return (f"{r['experiment']}: {r['model']}, {r['workers']} workers, SGD lr {r['lr']:g} "
-            f"momentum {r['momentum']:g}, batch {r['batch_size']}/rank")
+    if r.get("optimizer", "sgd") in ("adam", "adamw"):
+        opt = f"{'AdamW' if r['optimizer'] == 'adamw' else 'Adam'} lr {r['lr']:g} wd {r['wd']:g}"
+    else:
+        opt = f"SGD lr {r['lr']:g} momentum {r['momentum']:g}"
+    return f"{r['experiment']}: {r['model']}, {r['workers']} workers, {opt}, batch {r['batch_size']}/rank"
 
 
-def classification_plots(rows, out_dir, exp):
+# (column, y label, file stem, y limits of the bars, band clip) per kind of task
+METRICS = {"classification": ("accuracy", "test accuracy", "accuracy", (0, 1), (0, 1)),
+           "language_model": ("objective", "validation loss, nats/byte", "loss", None, (0, np.inf))}
+
+
+def classification_plots(rows, out_dir, exp, kind="classification"):
+    key, ylabel, stem, ylim, clip = METRICS[kind]
     plt = _plt()
-    series = _series(rows, "accuracy")
+    series = _series(rows, key)
     colors = plt.get_cmap("tab10")
     paths = []
     for xkey in ("epoch", "bytes"):
@@ -69,17 +82,20 @@ def classification_plots(rows, out_dir, exp):
         for i, (label, (epochs, acc, sent)) in enumerate(series.items()):
             x = epochs if xkey == "epoch" else np.nanmean(sent, axis=0)
             keep = x > 0 if xkey == "bytes" else np.ones(len(x), bool)    # epoch 0 sent nothing
-            _band(ax, x[keep], acc[:, keep], label, colors(i % 10))
+            _band(ax, x[keep], acc[:, keep], label, colors(i % 10), clip)
         if xkey == "bytes":
             ax.set_xscale("log")
             ax.set_xlabel("bytes sent by one rank so far (log scale)")
-        else:
+        elif kind == "classification":
             ax.set_xlabel("epoch")
-        ax.set_ylabel("test accuracy (mean ± std over seeds)")
+        else:
+            last = max(rows, key=lambda r: r["epoch"])
+            ax.set_xlabel(f"epoch ({last['steps'] // max(last['epoch'], 1)} steps each)")
+        ax.set_ylabel(f"{ylabel} (mean ± std over seeds)")
         ax.set_title(_title(rows), fontsize=9)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
-        path = os.path.join(out_dir, f"{exp}_accuracy_vs_{xkey}.png")
+        ax.legend(fontsize=7, loc="lower right" if kind == "classification" else "upper right")
+        path = os.path.join(out_dir, f"{exp}_{stem}_vs_{xkey}.png")
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -95,12 +111,16 @@ def classification_plots(rows, out_dir, exp):
         ax.scatter(np.full(len(v), i), v, color="black", s=10, zorder=3)
     ax.set_xticks(range(len(labels)))
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel("final test accuracy")
-    ax.set_ylim(0, 1)
+    ax.set_ylabel(f"final {ylabel}")
+    if ylim is not None:
+        ax.set_ylim(*ylim)
+    else:                       # the loss: start near the lowest bar so that the gaps show
+        lo = min(float(np.nanmin(v)) for v in finals)
+        ax.set_ylim(0.95 * lo if np.isfinite(lo) else 0, None)
     ax.set_title(_title(rows), fontsize=9)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    path = os.path.join(out_dir, f"{exp}_final_accuracy.png")
+    path = os.path.join(out_dir, f"{exp}_final_{stem}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return paths + [path]
@@ -172,5 +192,5 @@ def make_all(rows, summary, out_dir, specs=()):
                 summ = [s for s in summary if s["experiment"] == exp and s["workers"] == workers]
                 paths += throughput_plot(summ, out_dir, name)
             else:
-                paths += classification_plots(sub, out_dir, name)
+                paths += classification_plots(sub, out_dir, name, kind if kind in METRICS else "classification")
     return paths

@@ -18,7 +18,10 @@ ratio option (top-k, random-k), as in GRACE; the ratio of bytes to fp32 is in th
 Paired gap: for each seed that both the method and the fp32 baseline (``none``, same
 experiment, world size and seed) finished, ``d = acc_method - acc_fp32``; the summary
 gives ``mean(d)`` and its 95 % confidence interval ``mean(d) +- t(0.975, n-1) sd(d)/sqrt(n)``
-(Student's t, ``sd`` with n-1 degrees of freedom).
+(Student's t, ``sd`` with n-1 degrees of freedom). The metric is the task's
+``gap_metric``: the test accuracy, or for the language model the validation loss
+(``objective``, nats/byte), where a positive gap is worse. The relative gap does the
+same with ``d = metric_method / metric_fp32 - 1``.
 """
 import csv
 import hashlib
@@ -28,11 +31,14 @@ import os
 
 import numpy as np
 
+from .tasks import TASKS
+
 DONE = ("ok", "diverged")
 COLUMNS = ["experiment", "task", "model", "method", "label", "ratio", "error_feedback", "momentum_correction",
            "workers", "seed", "split_seed", "epoch", "epochs", "steps", "train_loss", "accuracy", "objective",
            "throughput", "bytes", "bytes_per_step", "bytes_reduced", "compression", "train_s", "wall_s",
-           "diverged", "status", "lr", "momentum", "wd", "batch_size", "options", "build", "run_id"]
+           "diverged", "status", "optimizer", "lr", "momentum", "betas", "eps", "wd", "batch_size", "options",
+           "bits_per_byte", "build", "run_id"]
 # t(0.975, df) for df = 1..30, for when scipy is missing
 _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
          2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
@@ -40,15 +46,16 @@ _T975 = [12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 
 
 BUILD_SUFFIXES = (".py", ".pyx", ".pxi", ".h", ".so")
-BUILD_TOOL_FILES = ("tasks.py", "worker.py")     # the parts of this tool that define a run
+BUILD_TOOL_FILES = ("tasks.py", "taskbase.py", "transformer_lm.py", "worker.py")  # the parts that define a run
 
 
 def fingerprint(package_dir=None):
     """A hash of the gradfuse build a run trains with (its sources and compiled kernels).
 
     Covers every ``.py``/``.pyx``/``.pxi``/``.h``/``.so`` file of the gradfuse package,
-    except this tool's own modules other than ``tasks.py`` and ``worker.py`` (a new plot
-    does not make old runs stale; a changed compressor or training loop does).
+    except this tool's own modules other than ``BUILD_TOOL_FILES`` (the tasks and the
+    worker: a new plot does not make old runs stale; a changed compressor, task or
+    training loop does).
     """
     root = package_dir or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     h = hashlib.sha1()
@@ -152,8 +159,11 @@ def tidy_rows(specs, store, models):
                 "bytes_reduced": e["bytes_reduced"],
                 "compression": e["bytes_reduced"] / e["bytes_sent"] if e["bytes_sent"] else float("nan"),
                 "train_s": e["train_s"], "wall_s": e["wall_s"], "diverged": bool(e["diverged"]),
-                "status": res["status"], "lr": spec.lr, "momentum": spec.momentum, "wd": spec.wd,
+                "status": res["status"], "optimizer": spec.optimizer, "lr": spec.lr, "momentum": spec.momentum,
+                "betas": json.dumps(spec.betas) if spec.betas is not None else "",
+                "eps": spec.eps if spec.eps is not None else "", "wd": spec.wd,
                 "batch_size": spec.batch_size, "options": json.dumps(spec.options, sort_keys=True),
+                "bits_per_byte": e.get("bits_per_byte", float("nan")),
                 "build": res.get("build", "unknown"), "run_id": spec.id})
     return rows
 
@@ -211,8 +221,12 @@ def summarize(rows):
             base = [r for r in final.values() if r["experiment"] == exp and r["workers"] == workers
                     and r["method"] == "none" and r["momentum_correction"] == "default"]
         base_by_seed = {r["seed"]: r for r in base}
-        paired = [(r["accuracy"], base_by_seed[r["seed"]]["accuracy"]) for r in runs if r["seed"] in base_by_seed]
-        gap = paired_gap([p[0] for p in paired], [p[1] for p in paired]) if paired else (float("nan"),) * 3 + (0,)
+        metric = getattr(TASKS.get(runs[0]["task"]), "gap_metric", "accuracy")
+        paired = [(r[metric], base_by_seed[r["seed"]][metric]) for r in runs if r["seed"] in base_by_seed]
+        none = (float("nan"),) * 3 + (0,)
+        gap = paired_gap([p[0] for p in paired], [p[1] for p in paired]) if paired else none
+        rel = [p[0] / p[1] - 1.0 if p[1] else float("nan") for p in paired]
+        gap_rel = paired_gap(rel, [0.0] * len(rel)) if paired else none
         acc_m, acc_s = _mean_std([r["accuracy"] for r in runs])
         obj_m, obj_s = _mean_std([r["objective"] for r in runs])
         bps = float(np.mean([r["bytes_per_step"] for r in runs]))
@@ -226,7 +240,9 @@ def summarize(rows):
             "accuracy_mean": acc_m, "accuracy_std": acc_s,
             "accuracy_min": float(np.min([r["accuracy"] for r in runs])),
             "accuracy_max": float(np.max([r["accuracy"] for r in runs])),
-            "gap_mean": gap[0], "gap_ci_low": gap[1], "gap_ci_high": gap[2], "gap_n": gap[3],
+            "gap_metric": metric, "gap_mean": gap[0], "gap_ci_low": gap[1], "gap_ci_high": gap[2], "gap_n": gap[3],
+            "gap_rel_mean": gap_rel[0], "gap_rel_ci_low": gap_rel[1], "gap_rel_ci_high": gap_rel[2],
+            "bits_per_byte_mean": _mean_std([r.get("bits_per_byte", float("nan")) for r in runs])[0],
             "objective_mean": obj_m, "objective_std": obj_s,
             "objective_max": float(np.nanmax([r["objective"] for r in runs])) if not math.isnan(obj_m) else float("nan"),
             "objective_best": min((best[r["run_id"]] for r in runs if r["run_id"] in best), default=float("nan")),

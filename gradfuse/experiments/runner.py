@@ -1,8 +1,8 @@
 """Run a grid: skip finished runs, launch the rest one by one, then write tables and plots.
 
-A run that asks for something this gradfuse cannot do (momentum correction before issue
-14) is refused by its worker before any training, with the reason, and recorded as
-``refused``. A run whose worker
+A run that asks for something this gradfuse cannot do (a momentum correction the
+trainer does not offer for its optimizer) is refused by its worker before any training,
+with the reason, and recorded as ``refused``. A run whose worker
 fails (non-zero exit, no result, time limit) is reported with its config and the tail
 of its stderr, recorded as ``failed``, and the grid goes on; refused and failed runs are
 tried again by the next invocation, finished ones (``ok`` or ``diverged``) are not.
@@ -39,6 +39,12 @@ def _failure_report(spec, res):
     tail = (res.get("stderr_tail") or "").rstrip() or "(stderr empty)"
     return (f"FAILED run {spec.id} ({spec.label}, seed {spec.seed}, {spec.workers} workers): {res['error']}\n"
             f"  config: {cfg}\n  stderr tail:\n    " + tail.replace("\n", "\n    "))
+
+
+def _metric(p):
+    """A progress line's metric when the worker sent no text of its own."""
+    m = p["test_accuracy"] if p["test_accuracy"] == p["test_accuracy"] else p["objective"]
+    return f"{m:.4g}"
 
 
 def select(specs, experiments=None, methods=None):
@@ -94,8 +100,8 @@ def run_grid(grid, out_dir, fresh=False, timeout=900.0, mpiexec=None, progress=T
                 bar.set_postfix_str(tag)
             def on_progress(p, tag=tag):
                 if bar is not None:
-                    m = p["test_accuracy"] if p["test_accuracy"] == p["test_accuracy"] else p["objective"]
-                    bar.set_postfix_str(f"{tag} epoch {p['epoch']}/{p['epochs']} {m:.4g}")
+                    bar.set_postfix_str(f"{tag} epoch {p['epoch']}/{p['epochs']} step {p.get('steps', '?')} "
+                                        f"{p.get('progress') or _metric(p)}")
             # the worker decides what momentum correction maps to (it sees DistributedTrainer)
             res = run_one(spec, mpiexec, timeout=timeout, on_progress=on_progress,
                           cache_dir=os.path.join(out_dir, "cache"))

@@ -1,8 +1,9 @@
 """The summary as Markdown: the tables of docs/experiments.md.
 
 One table per experiment, shaped by its task's kind: accuracy with the paired gap to
-fp32 (classification), the objective against f(x0) (the counterexample), or throughput
-and bytes (the ResNet on random data).
+fp32 (classification), the validation loss with its paired gap to fp32, absolute and
+relative (the language model), the objective against f(x0) (the counterexample), or
+throughput and bytes (the ResNet on random data).
 """
 import math
 
@@ -40,6 +41,38 @@ def classification_table(rows):
                      f"| {s['n_diverged']} of {s['n']} | {_bytes(s['bytes_per_step'])} "
                      f"| {_f(s['ratio_fp32'], '{:.1f}x')} |")
     return lines
+
+
+def _loss_gap(s):
+    if s["gap_n"] == 0 or s["method"] == "none":
+        return "-", "-"
+    if math.isnan(s["gap_ci_low"]):
+        return (f"{s['gap_mean']:+.4f} (n = {s['gap_n']})", f"{100 * s['gap_rel_mean']:+.2f} % (n = {s['gap_n']})")
+    return (f"{s['gap_mean']:+.4f} [{s['gap_ci_low']:+.4f}, {s['gap_ci_high']:+.4f}]",
+            f"{100 * s['gap_rel_mean']:+.2f} % [{100 * s['gap_rel_ci_low']:+.2f}, {100 * s['gap_rel_ci_high']:+.2f}]")
+
+
+def language_model_table(rows):
+    lines = ["| method | final validation loss, nats/byte, mean ± std | bits per byte | paired gap to fp32, "
+             "nats/byte [95 % CI] | relative gap [95 % CI] | diverged | bytes sent per step per rank "
+             "| ratio to fp32 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for s in rows:
+        gap, rel = _loss_gap(s)
+        lines.append(f"| {s['label']} | {_f(s['objective_mean'], '{:.4f}')} ± {_f(s['objective_std'], '{:.4f}')} "
+                     f"(n = {s['n']}) | {_f(s['bits_per_byte_mean'])} | {gap} | {rel} "
+                     f"| {s['n_diverged']} of {s['n']} | {_bytes(s['bytes_per_step'])} "
+                     f"| {_f(s['ratio_fp32'], '{:.1f}x')} |")
+    return lines
+
+
+def optimizer_text(spec):
+    """``'SGD lr 0.1 momentum 0.9 wd 0'`` / ``'AdamW lr 0.001 betas (0.9, 0.999) eps 1e-08 wd 0.01'``."""
+    if spec.optimizer in ("adam", "adamw"):
+        name = {"adam": "Adam", "adamw": "AdamW"}[spec.optimizer]
+        return (f"{name} lr {spec.lr:g} betas ({spec.betas[0]:g}, {spec.betas[1]:g}) eps {spec.eps:g} "
+                f"wd {spec.wd:g}")
+    return f"SGD lr {spec.lr:g} momentum {spec.momentum:g} wd {spec.wd:g}"
 
 
 def objective_table(rows, f0=None):
@@ -92,7 +125,12 @@ def markdown(summary, specs=()):
         workers = ", ".join(str(w) for w in sorted({s["workers"] for s in rows}))
         setting = f"task `{s0['task']}`, {s0['epochs']} epochs, {workers} workers"
         if sp is not None:
-            setting += (f", SGD lr {sp.lr:g} momentum {sp.momentum:g} wd {sp.wd:g}, batch {sp.batch_size} per "
+            if TASKS[sp.task].kind == "language_model":
+                steps = sp.epochs * TASKS[sp.task](**sp.task_options).options["steps_per_epoch"]
+                if sp.max_steps_per_epoch:
+                    steps = sp.epochs * min(sp.max_steps_per_epoch, steps // sp.epochs)
+                setting += f" ({steps} steps)"
+            setting += (f", {optimizer_text(sp)}, batch {sp.batch_size} per "
                         f"rank, split seed {sp.split_seed}, seeds {', '.join(map(str, s0['seeds']))}")
         builds = sorted({b for s in rows for b in s.get("builds", [])})
         setting += f"; gradfuse build {', '.join(builds)}" if len(builds) < 3 else f"; {len(builds)} gradfuse builds"
@@ -105,6 +143,8 @@ def markdown(summary, specs=()):
             out += objective_table(rows, f0)
         elif kind == "throughput":
             out += throughput_table(rows)
+        elif kind == "language_model":
+            out += language_model_table(rows)
         else:
             out += classification_table(rows)
         out.append("")

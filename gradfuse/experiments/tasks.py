@@ -1,9 +1,9 @@
 """The experiment tasks: models and data, none of which downloads anything.
 
-A task is a class registered in ``TASKS``; the worker asks it for its data shard, its
-Gluon network, its loss, its batches and its evaluation. MXNet and scikit-learn are
-imported inside the methods, so the runner (which only validates and launches) stays
-light.
+A task is a class registered in ``TASKS`` (its base, ``Task``, is in ``taskbase``); the
+worker asks it for its data shard, its Gluon network, its loss, its batches and its
+evaluation. MXNet and scikit-learn are imported inside the methods, so the runner (which
+only validates and launches) stays light.
 
 * ``digits_cnn``: the CNN of ``examples/mxnet_gluon_digits.py`` on scikit-learn's digits
   (1797 8x8 images, 10 classes), 20 % held out (359 test images).
@@ -14,132 +14,13 @@ light.
 * ``counterexample``: Counter-example 1 of Karimireddy et al. 2019 (ICML), a
   least-squares problem on R^2 where sign compression without error feedback cannot
   reach the optimum (docs/experiments.md states it).
+* ``transformer_lm``: a byte-level causal Transformer language model on the Python
+  standard library's own source files (``transformer_lm``).
 """
-import hashlib
-import json
-import math
-import os
-
 import numpy as np
 
-
-class TaskError(ValueError):
-    """A task name or task option is invalid."""
-
-
-class Task:
-    """Base of the tasks: options, data, network, loss, batches, evaluation.
-
-    Args:
-        **options: the task's own options (see ``OPTIONS``); unknown ones raise
-            ``TaskError`` naming them.
-    """
-
-    name = "abstract"
-    model = "abstract"              # GRACE's 'model' column
-    kind = "classification"         # "objective": no accuracy, an objective value;
-                                    # "throughput": random labels, only speed and bytes count
-    num_classes = 10
-    cacheable = False               # True: cached_arrays keeps the generated data on disk
-    OPTIONS = {}
-
-    def __init__(self, **options):
-        unknown = sorted(set(options) - set(self.OPTIONS))
-        if unknown:
-            raise TaskError(f"task {self.name!r}: unknown option(s) {', '.join(unknown)}; "
-                            f"valid options: {', '.join(sorted(self.OPTIONS)) or '(none)'}")
-        self.options = {k: options.get(k, v) for k, v in self.OPTIONS.items()}
-        for k, default in self.OPTIONS.items():
-            v = self.options[k]
-            if isinstance(default, bool):
-                ok = isinstance(v, bool)
-            elif isinstance(default, int):
-                ok = isinstance(v, int) and not isinstance(v, bool) and v > 0
-            elif isinstance(default, float):
-                ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
-            else:
-                ok = isinstance(v, type(default))
-            if not ok:
-                raise TaskError(f"task {self.name!r}: option {k!r} must be a positive "
-                                f"{type(default).__name__}, got {v!r}")
-        self.validate()
-
-    def validate(self):
-        """Check option combinations; raise ``TaskError`` naming the option."""
-
-    # --- data ------------------------------------------------------------------------
-    def arrays(self, split_seed):
-        """Return ``(x_train, y_train, x_test, y_test)`` as numpy arrays (float32)."""
-        raise NotImplementedError
-
-    def cached_arrays(self, split_seed, cache_dir=None):
-        """``arrays(split_seed)``, kept in ``cache_dir`` as .npz for tasks slow to generate.
-
-        The file name hashes the task, its options and the split seed; a missing or
-        unreadable file is regenerated (written atomically, so ranks racing to write the
-        same file both leave a whole one).
-        """
-        if not (cache_dir and self.cacheable):
-            return self.arrays(split_seed)
-        key = hashlib.sha1(json.dumps([self.name, self.options, split_seed], sort_keys=True).encode()).hexdigest()
-        path = os.path.join(cache_dir, f"{self.name}-{key[:16]}.npz")
-        try:
-            with np.load(path) as z:
-                return z["x"], z["y"], z["x_test"], z["y_test"]
-        except (OSError, KeyError, ValueError):
-            pass
-        x, y, xt, yt = self.arrays(split_seed)
-        os.makedirs(cache_dir, exist_ok=True)
-        tmp = f"{path[:-4]}.tmp{os.getpid()}.npz"
-        np.savez(tmp, x=x, y=y, x_test=xt, y_test=yt)
-        os.replace(tmp, path)
-        return x, y, xt, yt
-
-    def load(self, split_seed, rank, size, cache_dir=None):
-        """This rank's training shard and the whole test set.
-
-        Returns:
-            dict with ``x``, ``y`` (the whole training set), ``shard`` (this rank's
-            training indices: ``rank::size``), ``x_test``, ``y_test``.
-        """
-        x, y, xt, yt = self.cached_arrays(split_seed, cache_dir)
-        return {"x": x, "y": y, "shard": np.arange(len(x))[rank::size], "x_test": xt, "y_test": yt}
-
-    def steps_per_epoch(self, data, size, batch_size):
-        """Steps per epoch, the same on every rank (the smallest shard decides)."""
-        return (len(data["x"]) // size) // batch_size
-
-    def batches(self, rng, data, steps, batch_size):
-        """Yield index arrays: a fresh permutation of this rank's shard each epoch."""
-        perm = rng.permutation(data["shard"])
-        for s in range(steps):
-            yield perm[s * batch_size:(s + 1) * batch_size]
-
-    # --- model -----------------------------------------------------------------------
-    def build_net(self):
-        raise NotImplementedError
-
-    def initializer(self):
-        import mxnet as mx
-        return mx.init.Xavier()
-
-    def input_shape(self, data):
-        return (1,) + data["x"].shape[1:]
-
-    def loss(self):
-        from mxnet import gluon
-        return gluon.loss.SoftmaxCrossEntropyLoss()
-
-    def evaluate(self, net, data):
-        """Test metrics: ``{"test_accuracy": ..., "objective": ...}`` (floats, maybe nan)."""
-        import mxnet as mx
-        correct = 0
-        xt, yt = data["x_test"], data["y_test"]
-        for i in range(0, len(xt), 4096):
-            out = net(mx.nd.array(xt[i:i + 4096])).asnumpy()
-            ok = np.isfinite(out).all(axis=1) & (out.argmax(axis=1) == yt[i:i + 4096])
-            correct += int(ok.sum())
-        return {"test_accuracy": correct / len(xt), "objective": float("nan")}
+from .taskbase import Task, TaskError
+from .transformer_lm import TransformerLM
 
 
 def digits_cnn():
@@ -388,7 +269,11 @@ class Counterexample(Task):
         return 8.0 * float(self.options["eps"]) ** 2
 
 
-TASKS = {cls.name: cls for cls in (DigitsCNN, MLP, ResNet, Counterexample)}
+TASKS = {cls.name: cls for cls in (DigitsCNN, MLP, ResNet, Counterexample, TransformerLM)}
+
+
+__all__ = ["TASKS", "Counterexample", "DigitsCNN", "MLP", "ResNet", "Task", "TaskError", "TransformerLM",
+           "digits_cnn", "get_task"]
 
 
 def get_task(name, options=None):

@@ -10,12 +10,16 @@ bytes this rank sent and the gradient bytes it reduced (``trainer.stats``, i.e. 
 compressor's payloads as its collective sends them), the step count, the training and
 wall time, and the throughput (samples per second over all ranks).
 
+The optimizer is the spec's (``sgd``, ``adam`` or ``adamw``, with ``RunSpec.optimizer_params``),
+the same for every method, the fp32 baseline included.
+
 Divergence is a result, not a failure: a non-finite train loss, or a
 ``NonFiniteError`` from a compressed step (raised on every rank alike), marks the run
 ``diverged`` at that epoch; that epoch and every later one are recorded with loss nan
-and the test accuracy at chance (1 / classes), the accuracy measured on the last weights
-kept as ``test_accuracy_measured``. Any other exception is a failure: the traceback
-goes to stderr and the exit status is 1, and the runner reports it.
+and the task's chance metrics (``Task.diverged_metrics``: the test accuracy at 1 / classes,
+the LM's validation loss at ln 256), the values measured on the last weights kept with
+the suffix ``_measured``. Any other exception is a failure: the traceback goes to
+stderr and the exit status is 1, and the runner reports it.
 """
 import inspect
 import json
@@ -54,7 +58,7 @@ def train(spec, emit):
 
     from .. import _version
     from ..errors import NonFiniteError
-    from .grid import correction_options
+    from .grid import correction_options, correction_refused
     from .tasks import get_task
 
     rank, size = hvd.rank(), hvd.size()
@@ -72,8 +76,13 @@ def train(spec, emit):
     net(mx.nd.zeros(task.input_shape(data)))    # finish deferred initialisation
     hvd.broadcast_parameters(net.collect_params(), root_rank=0)
     n_params = int(sum(np.prod(p.shape) for p in net.collect_params().values() if p.grad_req != "null"))
-    opt = {"learning_rate": spec.lr, "momentum": spec.momentum, "wd": spec.wd}
-    trainer = hvd.DistributedTrainer(net.collect_params(), spec.optimizer, opt, **_trainer_kwargs(spec, correction))
+    try:
+        trainer = hvd.DistributedTrainer(net.collect_params(), spec.optimizer, spec.optimizer_params(),
+                                         **_trainer_kwargs(spec, correction))
+    except (TypeError, ValueError) as exc:
+        if correction.get("momentum_correction") is True:     # the library says it cannot: refused, not failed
+            raise correction_refused(spec, exc) from None
+        raise
     loss_fn = task.loss()
     steps = task.steps_per_epoch(data, size, spec.batch_size)
     if spec.max_steps_per_epoch:
@@ -81,12 +90,15 @@ def train(spec, emit):
     if steps < 1:
         raise RuntimeError(f"run {spec.id}: fewer samples per rank than one batch of {spec.batch_size}")
     rng = np.random.default_rng(spec.seed + 1 + 7919 * rank)   # data order: own stream per rank
-    x, y = data["x"], data["y"]
-    chance = 1.0 / task.num_classes if task.num_classes else float("nan")
+    chance = task.diverged_metrics()
     diverged_at, steps_done, wall0 = None, 0, time.perf_counter()
     m0 = task.evaluate(net, data)               # epoch 0: the broadcast initial weights
     epochs = [dict({"epoch": 0, "steps": 0, "train_loss": float("nan"), "bytes_sent": 0, "bytes_reduced": 0,
                     "train_s": 0.0, "wall_s": 0.0, "throughput": float("nan"), "diverged": False}, **m0)]
+    if rank == 0:
+        emit({"epoch": 0, "epochs": spec.epochs, "steps": 0, "train_loss": float("nan"),
+              "test_accuracy": m0["test_accuracy"], "objective": m0["objective"], "diverged": False,
+              "progress": task.progress_text(m0)})
     for epoch in range(1, spec.epochs + 1):
         if diverged_at is not None:             # nothing more to train: the divergence stands
             epochs.append(dict(epochs[-1], epoch=epoch))
@@ -95,7 +107,7 @@ def train(spec, emit):
         total = mx.nd.zeros((1,), dtype="float64")
         seen, nonfinite = 0, False
         for idx in task.batches(rng, data, steps, spec.batch_size):
-            xb, yb = mx.nd.array(x[idx]), mx.nd.array(y[idx])
+            xb, yb = task.batch(data, idx)
             with autograd.record():
                 loss = loss_fn(net(xb), yb)
             loss.backward()
@@ -122,21 +134,21 @@ def train(spec, emit):
                "bytes_sent": int(st.bytes_sent), "bytes_reduced": int(st.bytes_reduced),
                "train_s": train_s, "wall_s": time.perf_counter() - wall0,
                "throughput": float(sums[1]) / train_s if train_s > 0 else float("nan"), "diverged": False}
-        if "x" in metrics:
-            row["x"] = metrics["x"]
+        row.update({k: v for k, v in metrics.items() if k not in row})     # the task's own (x, bits_per_byte)
         if sums[2] or not math.isfinite(train_loss):
             diverged_at = epoch
-            row.update(train_loss=float("nan"), test_accuracy_measured=row["test_accuracy"],
-                       test_accuracy=chance, diverged=True, nonfinite_step=bool(sums[2]))
+            row.update({f"{k}_measured": row.get(k, float("nan")) for k in chance})
+            row.update(chance, train_loss=float("nan"), diverged=True, nonfinite_step=bool(sums[2]))
         epochs.append(row)
         if rank == 0:
-            emit({"epoch": epoch, "epochs": spec.epochs, "train_loss": row["train_loss"],
+            emit({"epoch": epoch, "epochs": spec.epochs, "steps": steps_done, "train_loss": row["train_loss"],
                   "test_accuracy": row["test_accuracy"], "objective": row["objective"],
-                  "diverged": row["diverged"]})
+                  "diverged": row["diverged"], "progress": task.progress_text(row)})
     return {"status": "diverged" if diverged_at else "ok", "diverged_at": diverged_at, "epochs": epochs,
             "steps_per_epoch": steps, "n_params": n_params,
             "compressor": trainer.pipeline.get_config() if trainer.pipeline is not None else None,
-            "trainer_kwargs": _trainer_kwargs(spec, correction),
+            "trainer_kwargs": _trainer_kwargs(spec, correction), "optimizer_params": spec.optimizer_params(),
+            "data": task.data_info(spec.split_seed),
             "gradfuse_version": _version.__version__, "mxnet_version": mx.__version__,
             "threads": {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MXNET_CPU_WORKER_NTHREADS")}}
 
