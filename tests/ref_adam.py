@@ -56,3 +56,60 @@ def onebit_compress(g, m, b1, c1, e, block, counts=None):
     """The fused moment + 1-bit pass: 1-bit compression (with error feedback ``e``, or None)
     of the moment ``b1 * m + c1 * g``; returns ref_quant.onebit_compress's result."""
     return ref_quant.onebit_compress(moment(g, m, b1, c1), e, block, counts)
+
+
+class Model:
+    """The Adam correction of one pipeline written out in numpy, per tensor, for ``p`` ranks
+    (each tensor its own bucket context: 1-bit's blocks, 2-bit's and top-k's selections
+    restart at every tensor, so the fused bucket gives the same bits): warm-up with exact
+    Adam on the mean gradient, then at step ``freeze`` + 1 the frozen ``v`` and its mask, the
+    moment with error feedback through the compressor's plain methods, and the mean of the
+    decoded moments (in rank order, then divided by ``p``) as every rank's ``m``."""
+
+    def __init__(self, comp, spec, freeze, p=1):
+        from gradfuse.compressors.base import BucketContext
+        self.comp, self.spec, self.freeze, self.p = comp, spec, freeze, p
+        self.ctx = BucketContext
+        self.m, self.v, self.e, self.mask, self.t = {}, {}, {}, {}, {}
+
+    def step(self, grads_by_rank, exact=()):
+        """The outputs (the same on every rank) of one step; ``grads_by_rank[r]`` is rank r's
+        dict; tensors named in ``exact`` stay uncompressed (live v)."""
+        from gradfuse.compressors.error_feedback import compress_with_feedback
+        from gradfuse.step.exchange import Wire
+        sp, p = self.spec, self.p
+        out = {}
+        for k in grads_by_rank[0]:
+            gs = [np.asarray(g[k], F32).reshape(-1) for g in grads_by_rank]
+            n = gs[0].size
+            m, v = self.m.setdefault(k, np.zeros(n, F32)), self.v.setdefault(k, np.zeros(n, F32))
+            t = self.t.get(k, 0) + 1
+            self.t[k] = t
+            if k in exact or t <= self.freeze or self.comp is None:
+                acc = gs[0].copy()
+                for g in gs[1:]:
+                    acc = np.add(acc, g, dtype=F32)
+                mean = np.divide(acc, F32(p), dtype=F32) if p > 1 else acc
+                a, b = sp.factors(t, t)
+                self.m[k], self.v[k], o = plain(mean, m, v, sp.b1, sp.c1, sp.b2, sp.c2, a, b, sp.eps)
+            else:
+                if k not in self.mask:
+                    self.mask[k] = (v != 0).astype(np.uint8)
+                ctx = self.ctx(counts=(n,))
+                rows = []
+                for r, g in enumerate(gs):
+                    x = moment(g, m, sp.b1, sp.c1)
+                    e = self.e.setdefault((k, r), np.zeros(n, F32)) if self.comp.error_feedback else np.zeros(0, F32)
+                    e_out = np.empty(n, F32) if e.size else e
+                    wire = Wire(self.comp.bucket_layout(ctx))
+                    pay = [np.zeros(c, d) for d, c in wire.layout]
+                    compress_with_feedback(self.comp, x, e, e_out, pay, ctx)
+                    if e.size:
+                        self.e[(k, r)] = e_out
+                    rows.append(pay)
+                acc = self.comp.decompress_sum([np.stack([rw[i] for rw in rows]) for i in range(len(rows[0]))], n, ctx)
+                mean = np.divide(acc, F32(p), dtype=F32) if p > 1 else acc
+                a, b = sp.factors(t, self.freeze)
+                self.m[k], o = apply(mean, v, self.mask[k], a, b, sp.eps)
+            out[k] = o.reshape(np.shape(grads_by_rank[0][k]))
+        return out
