@@ -65,7 +65,7 @@ from . import momentum as _momentum
 from .base import ADAM_RULES
 
 F32 = np.float32
-M, V, STEP, FREEZE, MASK = "adam.m", "adam.v", "adam.step", "adam.freeze", "adam.mask"
+M, V, STEP, FREEZE, MASK, R = "adam.m", "adam.v", "adam.step", "adam.freeze", "adam.mask", "adam.r"
 #: the adaptive freeze (module docstring): the largest relative change of the bias-corrected
 #: v per step, and how many steps in a row it must stay below it
 FREEZE_TOL = 0.01
@@ -136,7 +136,7 @@ def bucket_arrays(st, n):
     freeze)``, made (zeros) when missing; arrays of another size start again from zero."""
     m, v = st.arrays.get(M), st.arrays.get(V)
     if m is None or m.size != n or v is None or v.size != n:
-        for name in (M, V, STEP, FREEZE, MASK):
+        for name in (M, V, STEP, FREEZE, MASK, R):
             st.arrays.pop(name, None)
     return st.array(M, n), st.array(V, n), st.array(STEP, 1, np.int64), st.array(FREEZE, 1, np.int64)
 
@@ -149,18 +149,26 @@ def freeze_target(comp, meta):
     return int(meta.get("adam", {}).get("frozen_at", 0))
 
 
-def maybe_freeze(st, target):
+def maybe_freeze(st, target, spec, xp):
     """Freeze bucket ``st``'s ``v`` if it has taken ``target`` exact steps (``target`` > 0):
-    its freeze step becomes its step count and its mask ``v != 0``. Returns whether ``v`` is
-    frozen."""
+    its freeze step becomes its step count, its mask ``v != 0``, its preconditioner
+    ``r = 1 / (b sqrt(v) + eps)`` (0 where masked) and ``m`` goes into r's units (``xp``: the
+    array module of the bucket's memory). Returns whether ``v`` is frozen."""
     step, freeze = st.arrays[STEP], st.arrays[FREEZE]
     if freeze[0]:
         return True
     if not target or step[0] < target:
         return False
-    v = st.arrays[V]
+    v, m = st.arrays[V], st.arrays[M]
+    b = spec.factors(1, int(step[0]))[1]
     mask = st.array(MASK, v.size, np.uint8)
-    mask[...] = v != 0
+    r = st.array(R, v.size, F32)
+    keep = v != 0
+    mask[...] = keep
+    d = xp.add(xp.multiply(F32(b), xp.sqrt(v), dtype=F32), F32(spec.eps), dtype=F32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        r[...] = xp.where(keep, xp.divide(F32(1), d, dtype=F32), F32(0))
+    xp.multiply(m, r, out=m, dtype=F32)
     freeze[0] = step[0]
     return True
 
@@ -181,10 +189,10 @@ def observe(meta, change, step):
 
 def moment_table(bk, st, src, spec, x):
     """The moment pass of a compressed bucket whose compressor has no fused moment kernel:
-    ``x = b1 m + c1 g`` for the bucket ``src`` (a 5-tuple table) into ``x`` (the bucket's
+    ``x = b1 m + (c1 g) r`` for the bucket ``src`` (a 5-tuple table) into ``x`` (the bucket's
     count of float32), and a table over ``x`` with the bucket's tensor boundaries, which the
     compressor reads instead of the gradients."""
     ptrs, off, cnt, lo, hi = src
-    bk.kernels.adam_moment(ptrs, off, cnt, lo, hi, st.arrays[M], spec.b1, spec.c1, x)
+    bk.kernels.adam_moment(ptrs, off, cnt, lo, hi, st.arrays[M], st.arrays[R], spec.b1, spec.c1, x)
     xt = _momentum.table(st, bk, _momentum.address(x), np.asarray(off, np.int64) * 4, len(ptrs), lo, hi)
     return (xt, off, cnt, lo, hi)

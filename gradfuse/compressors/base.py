@@ -372,9 +372,9 @@ class Compressor(ABC):
 
     def compress_moment_table(self, table, moment, e_in, e_out, payloads, ctx):
         """The Adam correction's moment update fused into ``compress_table``: compress
-        ``c = (b1 m + c1 g) + e`` with ``moment = (m, b1, c1)`` (``m`` indexed by bucket
-        position), the bits of ``adam_moment`` followed by ``compress_table``; None if not
-        provided (the pipeline then runs the moment pass first)."""
+        ``c = (b1 m + (c1 g) r) + e`` with ``moment = (m, r, b1, c1)`` (``m``, ``r`` indexed by
+        bucket position), the bits of ``adam_moment`` followed by ``compress_table``; None if
+        not provided (the pipeline then runs the moment pass first)."""
         return None
 
     def settle(self, c, p):

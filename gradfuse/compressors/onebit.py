@@ -170,8 +170,8 @@ class OneBit(Compressor):
         """The Adam correction's moment update, error feedback and 1-bit compression in one
         pass (``adam_onebit_compress``)."""
         src, off, cnt, lo, hi = table
-        m, b1, c1 = moment
-        return kernels(ctx).adam_onebit_compress(src, off, cnt, lo, hi, m, b1, c1, e_in, e_out, self.block,
+        m, r, b1, c1 = moment
+        return kernels(ctx).adam_onebit_compress(src, off, cnt, lo, hi, m, r, b1, c1, e_in, e_out, self.block,
                                                  payloads[0], payloads[1])
 
     def decompress_sum_table(self, rows, table, divisor, ctx):

@@ -1,22 +1,24 @@
-/* The Adam correction (docs/compressors.md, "The Adam correction"): the moment update,
- * fused with error feedback and 1-bit compression; the preconditioned step after the
- * exchange; plain Adam on the averaged gradient (warm-up, uncompressed tensors).
+/* The Adam correction (docs/compressors.md, "The Adam correction"): the moment update in
+ * the frozen preconditioner's units, fused with error feedback and 1-bit compression; the
+ * step after the exchange; plain Adam on the averaged gradient (warm-up, uncompressed
+ * tensors).
  *
  * tests/ref_adam.py is the numpy twin, cuda/adam.cu the GPU twin. float32, no FMA (the
  * build uses -ffp-contract=off, and no fma intrinsic is used); every AVX2 path computes
  * each element with the scalar path's operations in the scalar path's order, so the bits
  * are the same (IEEE products, sums, square roots and quotients are correctly rounded):
  *
- *   moment  x[j] = b1 * m[j] + c1 * g[j]                  two products, then their sum
+ *   moment  x[j] = b1 * m[j] + (c1 * g[j]) * r[j]          c1*g; *r; b1*m; the sum
  *   step    s[j] = (a * m[j]) / (b * sqrt(v[j]) + eps)     a*m; sqrt; b*sqrt; + eps; the quotient
  *   plain   m[j] = b1 * m[j] + c1 * g[j];  v[j] = b2 * v[j] + c2 * (g[j] * g[j]);  out[j] = s[j]
- *   apply   mask[j] != 0: m[j] = mb[j], out[j] = s[j] (from mb[j]);  else m[j] = 0, out[j] = 0
+ *   apply   mask[j] != 0: m[j] = mb[j], out[j] = a * mb[j];  else m[j] = 0, out[j] = 0
  *
- * (mb: the exchanged moment, read from the outputs, which then receive the step).
- * The 1-bit kernel stages c = x + e (no residual: c = x) per block and runs 1-bit's own
- * scale and emit functions (_quant.h), so its bits are the moment kernel's followed by
- * gf_onebit_compress on x. Tables: row i holds counts[i] floats at src[i]; m, v, x, mask
- * and the residuals are indexed by bucket position offsets[i] + k.
+ * r is the frozen preconditioner 1 / (b sqrt(v_T) + eps) (0 where v_T is 0), m after the
+ * freeze the moment in its units; mb is the exchanged moment, read from the outputs, which
+ * then receive the step. The 1-bit kernel stages c = x + e (no residual: c = x) per block and
+ * runs 1-bit's own scale and emit functions (_quant.h), so its bits are the moment
+ * kernel's followed by gf_onebit_compress on x. Tables: row i holds counts[i] floats at
+ * src[i]; m, r, v, x, mask and the residuals are indexed by bucket position offsets[i] + k.
  *
  * gf_adam_plain also returns, when sums != NULL, sums[0] += |v_new * f_new - v_old * f_old|
  * and sums[1] += v_new * f_new in double (the freeze rule's relative change of the
@@ -33,84 +35,86 @@
 /* ---------------------------------------------------------------- moment */
 
 static void gf_adam_moment_scalar(float* __restrict x, const float* __restrict g, const float* __restrict m,
-                                  int64_t c, float b1, float c1)
+                                  const float* __restrict r, int64_t c, float b1, float c1)
 {
     for (int64_t k = 0; k < c; k++) {
-        float p = b1 * m[k];
         float q = c1 * g[k];
+        q = q * r[k];
+        float p = b1 * m[k];
         x[k] = p + q;
     }
 }
 
 #if GF_Q_HAVE_AVX2
-GF_Q_AVX2 static void gf_adam_moment_avx2(float* __restrict x, const float* __restrict g,
-                                          const float* __restrict m, int64_t c, float b1, float c1)
+GF_Q_AVX2 static inline __m256 gf_adam_moment8(__m256 vb, __m256 vc, const float* g, const float* m, const float* r)
+{
+    __m256 q = _mm256_mul_ps(_mm256_mul_ps(vc, _mm256_loadu_ps(g)), _mm256_loadu_ps(r));
+    return _mm256_add_ps(_mm256_mul_ps(vb, _mm256_loadu_ps(m)), q);
+}
+
+GF_Q_AVX2 static void gf_adam_moment_avx2(float* __restrict x, const float* __restrict g, const float* __restrict m,
+                                          const float* __restrict r, int64_t c, float b1, float c1)
 {
     const __m256 vb = _mm256_set1_ps(b1), vc = _mm256_set1_ps(c1);
     int64_t k = 0;
-    for (; k + 8 <= c; k += 8) {
-        __m256 p = _mm256_mul_ps(vb, _mm256_loadu_ps(m + k));
-        __m256 q = _mm256_mul_ps(vc, _mm256_loadu_ps(g + k));
-        _mm256_storeu_ps(x + k, _mm256_add_ps(p, q));
-    }
-    gf_adam_moment_scalar(x + k, g + k, m + k, c - k, b1, c1);
+    for (; k + 8 <= c; k += 8)
+        _mm256_storeu_ps(x + k, gf_adam_moment8(vb, vc, g + k, m + k, r + k));
+    gf_adam_moment_scalar(x + k, g + k, m + k, r + k, c - k, b1, c1);
 }
 #endif
 
-static void gf_adam_moment_run(float* x, const float* g, const float* m, int64_t c, float b1, float c1)
-{
-#if GF_Q_HAVE_AVX2
-    if (gf_use_avx2) { gf_adam_moment_avx2(x, g, m, c, b1, c1); return; }
-#endif
-    gf_adam_moment_scalar(x, g, m, c, b1, c1);
-}
-
-/* x (bucket positions) = b1 * m + c1 * g over table rows lo..hi-1. */
+/* x (bucket positions) = b1 * m + (c1 * g) * r over table rows lo..hi-1. */
 static void gf_adam_moment(const int64_t* src, const int64_t* offsets, const int64_t* counts,
-                           int64_t lo, int64_t hi, const float* m, float b1, float c1, float* x)
+                           int64_t lo, int64_t hi, const float* m, const float* r, float b1, float c1, float* x)
 {
     for (int64_t i = lo; i < hi; i++) {
         int64_t c = counts[i];
         if (c <= 0) continue;
-        gf_adam_moment_run(x + offsets[i], (const float*)(uintptr_t)src[i], m + offsets[i], c, b1, c1);
+        const float* g = (const float*)(uintptr_t)src[i];
+        int64_t o = offsets[i];
+#if GF_Q_HAVE_AVX2
+        if (gf_use_avx2) { gf_adam_moment_avx2(x + o, g, m + o, r + o, c, b1, c1); continue; }
+#endif
+        gf_adam_moment_scalar(x + o, g, m + o, r + o, c, b1, c1);
     }
 }
 
 /* ---------------------------------------------------------------- moment + 1-bit */
 
-/* stage[0..cnt) = (b1 * m + c1 * g) + e (e NULL: without the residual). */
+/* stage[0..cnt) = (b1 * m + (c1 * g) * r) + e (e NULL: without the residual). */
 static void gf_adam_stage_scalar(float* __restrict st, const float* __restrict g, const float* __restrict m,
-                                 const float* __restrict e, int64_t cnt, float b1, float c1)
+                                 const float* __restrict r, const float* __restrict e, int64_t cnt, float b1, float c1)
 {
     for (int64_t k = 0; k < cnt; k++) {
-        float p = b1 * m[k];
         float q = c1 * g[k];
+        q = q * r[k];
+        float p = b1 * m[k];
         float x = p + q;
         st[k] = e ? x + e[k] : x;
     }
 }
 
 #if GF_Q_HAVE_AVX2
-GF_Q_AVX2 static void gf_adam_stage_avx2(float* __restrict st, const float* __restrict g,
-                                         const float* __restrict m, const float* __restrict e, int64_t cnt,
+GF_Q_AVX2 static void gf_adam_stage_avx2(float* __restrict st, const float* __restrict g, const float* __restrict m,
+                                         const float* __restrict r, const float* __restrict e, int64_t cnt,
                                          float b1, float c1)
 {
     const __m256 vb = _mm256_set1_ps(b1), vc = _mm256_set1_ps(c1);
     int64_t k = 0;
     for (; k + 8 <= cnt; k += 8) {
-        __m256 x = _mm256_add_ps(_mm256_mul_ps(vb, _mm256_loadu_ps(m + k)), _mm256_mul_ps(vc, _mm256_loadu_ps(g + k)));
+        __m256 x = gf_adam_moment8(vb, vc, g + k, m + k, r + k);
         if (e) x = _mm256_add_ps(x, _mm256_loadu_ps(e + k));
         _mm256_storeu_ps(st + k, x);
     }
-    gf_adam_stage_scalar(st + k, g + k, m + k, e ? e + k : NULL, cnt - k, b1, c1);
+    gf_adam_stage_scalar(st + k, g + k, m + k, r + k, e ? e + k : NULL, cnt - k, b1, c1);
 }
 #endif
 
-/* gf_onebit_compress (its format, blocks and residual) of c = (b1 * m + c1 * g) + e_in:
- * one pass over g, m and the residual. e_in/e_out NULL: no error feedback. Returns the
+/* gf_onebit_compress (its format, blocks and residual) of c = (b1 * m + (c1 * g) * r) + e_in:
+ * one pass over g, m, r and the residual. e_in/e_out NULL: no error feedback. Returns the
  * number of non-finite scales, or -1 on allocation failure. */
 static int64_t gf_adam_onebit_compress(const int64_t* ptrs, const int64_t* counts, int64_t lo, int64_t hi,
-                                       int64_t n, const float* m, float b1, float c1,
+                                       int64_t n, const float* m, const float* r, float b1, float c1,
                                        const float* e_in, float* e_out, int64_t block,
                                        uint32_t* bits, float* scales)
 {
@@ -129,10 +133,10 @@ static int64_t gf_adam_onebit_compress(const int64_t* ptrs, const int64_t* count
             int64_t npad = (cnt + 31) & ~(int64_t)31;
             const float* e = e_in ? e_in + pos + k : NULL;
 #if GF_Q_HAVE_AVX2
-            if (avx) gf_adam_stage_avx2(stage, g + k, m + pos + k, e, cnt, b1, c1);
+            if (avx) gf_adam_stage_avx2(stage, g + k, m + pos + k, r + pos + k, e, cnt, b1, c1);
             else
 #endif
-            gf_adam_stage_scalar(stage, g + k, m + pos + k, e, cnt, b1, c1);
+            gf_adam_stage_scalar(stage, g + k, m + pos + k, r + pos + k, e, cnt, b1, c1);
             for (int64_t q = cnt; q < npad; q++) stage[q] = 0.0f;
             uint32_t* wb = bits + w + (k >> 5);
             float* eo = e_out ? e_out + pos + k : NULL;
@@ -168,8 +172,8 @@ static inline float gf_adam_step1(float mk, float vk, float a, float b, float ep
     return num / d;
 }
 
-static void gf_adam_apply_scalar(float* __restrict o, float* __restrict m, const float* __restrict v,
-                                 const uint8_t* __restrict mask, int64_t c, float a, float b, float eps)
+static void gf_adam_apply_scalar(float* __restrict o, float* __restrict m, const uint8_t* __restrict mask, int64_t c,
+                                 float a)
 {
     for (int64_t k = 0; k < c; k++) {
         float mb = o[k];
@@ -178,7 +182,7 @@ static void gf_adam_apply_scalar(float* __restrict o, float* __restrict m, const
             o[k] = 0.0f;
         } else {
             m[k] = mb;
-            o[k] = gf_adam_step1(mb, v[k], a, b, eps);
+            o[k] = a * mb;
         }
     }
 }
@@ -200,14 +204,14 @@ GF_Q_AVX2 static inline __m256 gf_adam_keep8(const uint8_t* mask)
                                                 _mm256_set1_epi32(-1)));
 }
 
-GF_Q_AVX2 static void gf_adam_apply_avx2(float* __restrict o, float* __restrict m, const float* __restrict v,
-                                         const uint8_t* __restrict mask, int64_t c, float a, float b, float eps)
+GF_Q_AVX2 static void gf_adam_apply_avx2(float* __restrict o, float* __restrict m, const uint8_t* __restrict mask,
+                                         int64_t c, float a)
 {
-    const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b), ve = _mm256_set1_ps(eps);
+    const __m256 va = _mm256_set1_ps(a);
     int64_t k = 0;
     for (; k + 8 <= c; k += 8) {
         __m256 mb = _mm256_loadu_ps(o + k);
-        __m256 s = gf_adam_step8(mb, _mm256_loadu_ps(v + k), va, vb, ve);
+        __m256 s = _mm256_mul_ps(va, mb);
         if (mask) {
             __m256 keep = gf_adam_keep8(mask + k);
             mb = _mm256_and_ps(mb, keep);
@@ -216,14 +220,14 @@ GF_Q_AVX2 static void gf_adam_apply_avx2(float* __restrict o, float* __restrict 
         _mm256_storeu_ps(m + k, mb);
         _mm256_storeu_ps(o + k, s);
     }
-    gf_adam_apply_scalar(o + k, m + k, v + k, mask ? mask + k : NULL, c - k, a, b, eps);
+    gf_adam_apply_scalar(o + k, m + k, mask ? mask + k : NULL, c - k, a);
 }
 #endif
 
 /* Over table rows lo..hi-1 of the outputs (which hold the exchanged moment): the moment
- * into m, the step into the outputs; mask NULL: every element kept. */
+ * into m, the step a * moment into the outputs; mask NULL: every element kept. */
 static void gf_adam_apply(const int64_t* dst, const int64_t* offsets, const int64_t* counts, int64_t lo, int64_t hi,
-                          float* m, const float* v, const uint8_t* mask, float a, float b, float eps)
+                          float* m, const uint8_t* mask, float a)
 {
     for (int64_t i = lo; i < hi; i++) {
         int64_t c = counts[i];
@@ -232,9 +236,9 @@ static void gf_adam_apply(const int64_t* dst, const int64_t* offsets, const int6
         int64_t off = offsets[i];
         const uint8_t* mk = mask ? mask + off : NULL;
 #if GF_Q_HAVE_AVX2
-        if (gf_use_avx2) { gf_adam_apply_avx2(o, m + off, v + off, mk, c, a, b, eps); continue; }
+        if (gf_use_avx2) { gf_adam_apply_avx2(o, m + off, mk, c, a); continue; }
 #endif
-        gf_adam_apply_scalar(o, m + off, v + off, mk, c, a, b, eps);
+        gf_adam_apply_scalar(o, m + off, mk, c, a);
     }
 }
 

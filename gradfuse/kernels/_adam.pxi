@@ -1,5 +1,5 @@
-# Kernels: the Adam correction (the moment update, fused with 1-bit compression and error
-# feedback; the step after the exchange; plain Adam). Included by _core.pyx. The math is
+# Kernels: the Adam correction (the moment update in the frozen preconditioner's units,
+# fused with 1-bit compression and error feedback; the step after the exchange; plain Adam). Included by _core.pyx. The math is
 # in _adam.h and docs/compressors.md ("The Adam correction"); tests/ref_adam.py is its numpy
 # twin, cuda/adam.cu the GPU twin.
 
@@ -8,13 +8,13 @@ cdef extern from "_adam.h" nogil:
         float b1, c1, b2, c2, a, b, eps
         double f_new, f_old
     void gf_adam_moment(const int64_t* src, const int64_t* offsets, const int64_t* counts,
-                        int64_t lo, int64_t hi, const float* m, float b1, float c1, float* x)
+                        int64_t lo, int64_t hi, const float* m, const float* r, float b1, float c1, float* x)
     int64_t gf_adam_onebit_compress(const int64_t* ptrs, const int64_t* counts, int64_t lo, int64_t hi,
-                                    int64_t n, const float* m, float b1, float c1,
+                                    int64_t n, const float* m, const float* r, float b1, float c1,
                                     const float* e_in, float* e_out, int64_t block,
                                     uint32_t* bits, float* scales)
     void gf_adam_apply(const int64_t* dst, const int64_t* offsets, const int64_t* counts, int64_t lo, int64_t hi,
-                       float* m, const float* v, const uint8_t* mask, float a, float b, float eps)
+                       float* m, const uint8_t* mask, float a)
     void gf_adam_plain(const int64_t* dst, const int64_t* offsets, const int64_t* counts, int64_t lo, int64_t hi,
                        float* m, float* v, const gf_adam_coef* k8, double* sums)
 
@@ -35,34 +35,38 @@ cdef int _adam_check_state(str who, str name, Py_ssize_t size, Py_ssize_t n) exc
 
 
 def adam_moment(const int64_t[::1] src_ptrs, const int64_t[::1] offsets, const int64_t[::1] counts,
-                Py_ssize_t lo, Py_ssize_t hi, const float[::1] m, double b1, double c1, float[::1] x):
-    """The moment update of table rows lo..hi-1 into ``x``: ``x = b1 * m + c1 * g`` (float32
-    ``b1``, ``c1``; two products, then the sum; no FMA). ``m`` and ``x`` are indexed by the
-    bucket positions ``offsets[i] + k`` and may be the same array."""
+                Py_ssize_t lo, Py_ssize_t hi, const float[::1] m, const float[::1] r, double b1, double c1,
+                float[::1] x):
+    """The moment update of table rows lo..hi-1 into ``x``, in the frozen preconditioner's
+    units: ``x = b1 * m + (c1 * g) * r`` (float32 ``b1``, ``c1``; ``c1 * g``, times ``r``,
+    ``b1 * m``, the sum; no FMA). ``m``, ``r`` and ``x`` are indexed by the bucket positions
+    ``offsets[i] + k``; ``x`` may be ``m``."""
     cdef float fb1 = _adam_f32("adam_moment", "b1", b1), fc1 = _adam_f32("adam_moment", "c1", c1)
     cdef Py_ssize_t n = x.shape[0]
     _adam_check_state("adam_moment", "m", m.shape[0], n)
+    _adam_check_state("adam_moment", "r", r.shape[0], n)
     _momentum_check_table("adam_moment", "gradient", n, src_ptrs, offsets, counts, lo, hi)
     if hi <= lo or n == 0:
         return
     with nogil:
-        gf_adam_moment(&src_ptrs[0], &offsets[0], &counts[0], lo, hi, &m[0], fb1, fc1, &x[0])
+        gf_adam_moment(&src_ptrs[0], &offsets[0], &counts[0], lo, hi, &m[0], &r[0], fb1, fc1, &x[0])
 
 
 def adam_onebit_compress(const int64_t[::1] src_ptrs, const int64_t[::1] offsets, const int64_t[::1] counts,
-                         Py_ssize_t lo, Py_ssize_t hi, const float[::1] m, double b1, double c1,
+                         Py_ssize_t lo, Py_ssize_t hi, const float[::1] m, const float[::1] r, double b1, double c1,
                          const float[::1] e_in, float[::1] e_out, int block, uint32_t[::1] bits, float[::1] scales):
-    """``onebit_compress`` of ``c = (b1 * m + c1 * g) + e_in`` in one pass: the bits of
+    """``onebit_compress`` of ``c = (b1 * m + (c1 * g) * r) + e_in`` in one pass: the bits of
     ``adam_moment`` into x followed by ``onebit_compress`` of x (same format, blocks,
-    residual). ``m`` is indexed by bucket position; e_in/e_out empty: no error feedback.
-    Returns the number of blocks whose scale is not finite."""
+    residual). ``m`` and ``r`` are indexed by bucket position; e_in/e_out empty: no error
+    feedback. Returns the number of blocks whose scale is not finite."""
     cdef float fb1 = _adam_f32("adam_onebit_compress", "b1", b1)
     cdef float fc1 = _adam_f32("adam_onebit_compress", "c1", c1)
     cdef int64_t n = _q_table_n("adam_onebit_compress", src_ptrs, offsets, counts, lo, hi)
-    cdef int64_t nwords, nblocks, r
+    cdef int64_t nwords, nblocks, ret
     cdef const float* ein = NULL
     cdef float* eout = NULL
     _adam_check_state("adam_onebit_compress", "m", m.shape[0], n)
+    _adam_check_state("adam_onebit_compress", "r", r.shape[0], n)
     _q_check_block("adam_onebit_compress", block)
     _q_block_sizes(&counts[0] if counts.shape[0] else NULL, lo, hi, block, 1, &nwords, &nblocks)
     _q_check_residual("adam_onebit_compress", e_in, e_out, n)
@@ -78,25 +82,21 @@ def adam_onebit_compress(const int64_t[::1] src_ptrs, const int64_t[::1] offsets
         ein = &e_in[0]
         eout = &e_out[0]
     with nogil:
-        r = gf_adam_onebit_compress(&src_ptrs[0], &counts[0], lo, hi, n, &m[0], fb1, fc1, ein, eout, block,
-                                    &bits[0], &scales[0])
-    if r < 0:
+        ret = gf_adam_onebit_compress(&src_ptrs[0], &counts[0], lo, hi, n, &m[0], &r[0], fb1, fc1, ein, eout,
+                                      block, &bits[0], &scales[0])
+    if ret < 0:
         raise MemoryError("adam_onebit_compress: cannot allocate the staging buffer")
-    return r
+    return ret
 
 
 def adam_apply(const int64_t[::1] dst_ptrs, const int64_t[::1] offsets, const int64_t[::1] counts,
-               Py_ssize_t lo, Py_ssize_t hi, float[::1] m, const float[::1] v, const uint8_t[::1] mask,
-               double a, double b, double eps):
+               Py_ssize_t lo, Py_ssize_t hi, float[::1] m, const uint8_t[::1] mask, double a):
     """After the exchange, over table rows lo..hi-1 of the outputs (they hold the exchanged
-    moment ``mb``): ``m = mb`` and the outputs ``(a * mb) / (b * sqrt(v) + eps)``, or both 0
-    where ``mask`` is 0 (``mask`` empty: none). ``m``, ``v`` and ``mask`` are indexed by
-    bucket position."""
-    cdef float fa = _adam_f32("adam_apply", "a", a), fb = _adam_f32("adam_apply", "b", b)
-    cdef float fe = _adam_f32("adam_apply", "eps", eps)
+    moment ``mb``): ``m = mb`` and the outputs ``a * mb``, or both 0 where ``mask`` is 0
+    (``mask`` empty: none). ``m`` and ``mask`` are indexed by bucket position."""
+    cdef float fa = _adam_f32("adam_apply", "a", a)
     cdef Py_ssize_t n = m.shape[0]
     cdef const uint8_t* mk = NULL
-    _adam_check_state("adam_apply", "v", v.shape[0], n)
     if mask.shape[0]:
         _adam_check_state("adam_apply", "mask", mask.shape[0], n)
         mk = &mask[0]
@@ -104,7 +104,7 @@ def adam_apply(const int64_t[::1] dst_ptrs, const int64_t[::1] offsets, const in
     if hi <= lo or n == 0:
         return
     with nogil:
-        gf_adam_apply(&dst_ptrs[0], &offsets[0], &counts[0], lo, hi, &m[0], &v[0], mk, fa, fb, fe)
+        gf_adam_apply(&dst_ptrs[0], &offsets[0], &counts[0], lo, hi, &m[0], mk, fa)
 
 
 def adam_plain(const int64_t[::1] dst_ptrs, const int64_t[::1] offsets, const int64_t[::1] counts,

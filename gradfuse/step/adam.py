@@ -3,8 +3,9 @@
 * ``adam_of(step)``: the pipeline's ``AdamSpec``, or None (float64 tensors are refused);
 * ``frozen(step, b, comp)``: whether compressible bucket ``b`` runs compressed this step
   (its ``v`` is frozen; it freezes here when its warm-up is over);
-* ``moment(job, spec)``: before compression, the compressor is told to read the moment
-  (``BucketJob.compress_into``: the fused kernel or the moment pass);
+* ``moment(job, spec)``: before compression, the compressor is told to read the moment in
+  the frozen preconditioner's units (``BucketJob.compress_into``: the fused kernel or the
+  moment pass);
 * ``apply(job)``: after the bucket's decode (after the step's verdict): ``m`` becomes the
   mean of the ranks' moments, the outputs the step;
 * ``plain(step, comm, jobs, spec)``: the buckets that were summed exactly (warm-up,
@@ -61,7 +62,7 @@ def frozen(step, b, comp):
     """Whether compressible bucket ``b`` (compressor ``comp``) runs compressed: its ``v`` is
     frozen, or freezes now because it has taken its warm-up's exact steps."""
     st = bucket_state(step, b)
-    return _adam.maybe_freeze(st, _adam.freeze_target(comp, step.cfg.state.meta))
+    return _adam.maybe_freeze(st, _adam.freeze_target(comp, step.cfg.state.meta), step.cfg.adam, step.entry.bk.xp)
 
 
 def moment(job, spec):
@@ -70,15 +71,15 @@ def moment(job, spec):
 
 
 def apply(job):
-    """After ``job``'s decode: ``m`` = the decoded mean, the outputs = the frozen-``v`` step
-    (0 where the mask is 0); the bucket's step counter advances."""
+    """After ``job``'s decode: ``m`` = the decoded mean (in the frozen preconditioner's
+    units), the outputs = the step ``a m`` (0 where the mask is 0); the bucket's step counter
+    advances."""
     spec, st = job.adam, job.state
     arrays = st.arrays
     step, freeze = arrays[_adam.STEP], arrays[_adam.FREEZE]
-    a, b = spec.factors(int(step[0]) + 1, int(freeze[0]))
+    a = spec.factors(int(step[0]) + 1, int(freeze[0]))[0]
     ptrs, off, cnt, lo, hi = job.dst
-    job.bk.kernels.adam_apply(ptrs, off, cnt, lo, hi, arrays[_adam.M], arrays[_adam.V], arrays[_adam.MASK],
-                              a, b, spec.eps)
+    job.bk.kernels.adam_apply(ptrs, off, cnt, lo, hi, arrays[_adam.M], arrays[_adam.MASK], a)
     step[0] += 1
 
 

@@ -109,7 +109,7 @@ class BucketJob:
         self.nonfinite_ranks = []     # ranks that reported non-finite values (same everywhere)
         self.nonfinite_detail = ""
         self.velocity = None          # (x, u) once apply_velocity ran: what the compressor read, u
-        self.adam = None              # the Adam correction's AdamSpec: the compressor reads b1 m + c1 g (step.adam)
+        self.adam = None              # the Adam correction's AdamSpec: the compressor reads the moment (step.adam)
         self.stream = False           # decoded right after its exchange, in shared buffers (the step cannot fail)
         self.slot = 0                 # streamed and pipelined (step.overlap): which of two shared buffers
         self.group_bufs = None        # an exchange group's views for this bucket's wire rows (grouped.py)
@@ -153,7 +153,7 @@ class BucketJob:
 
     def compress_into(self, payloads):
         """Fused kernel if the compressor has one, else the reference path. With the Adam
-        correction the compressor takes the moment ``b1 m + c1 g`` instead of the gradients:
+        correction the compressor takes the moment ``b1 m + (c1 g) r`` instead of the gradients:
         in its own pass fused with the compression where the compressor has one
         (``compress_moment_table``), else from a moment pass into a shared work array."""
         e_in, e_out = self.residuals()
@@ -161,7 +161,8 @@ class BucketJob:
         if self.adam is not None:
             spec = self.adam
             if self.fused():
-                bad = self.comp.compress_moment_table(self.src, (self.state.arrays[_adam.M], spec.b1, spec.c1),
+                arrays = self.state.arrays
+                bad = self.comp.compress_moment_table(self.src, (arrays[_adam.M], arrays[_adam.R], spec.b1, spec.c1),
                                                       e_in, e_out, payloads, self.ctx)
             if bad is None:
                 self.moment_pass()
@@ -174,7 +175,7 @@ class BucketJob:
         return int(bad)
 
     def moment_pass(self):
-        """The Adam correction's moment ``b1 m + c1 g`` into a work array shared by the plan's
+        """The Adam correction's moment ``b1 m + (c1 g) r`` into a work array shared by the plan's
         buckets (its compress stage reads it at once), which the compressor then reads."""
         self.src = _adam.moment_table(self.bk, self.state, self.src, self.adam,
                                       self.shared("adam.x", self.n, np.float32))
