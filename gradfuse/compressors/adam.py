@@ -149,15 +149,17 @@ def freeze_target(comp, meta):
     return int(meta.get("adam", {}).get("frozen_at", 0))
 
 
-def maybe_freeze(st, target, spec, xp):
-    """Freeze bucket ``st``'s ``v`` if it has taken ``target`` exact steps (``target`` > 0):
-    its freeze step becomes its step count, its mask ``v != 0``, its preconditioner
-    ``r = 1 / (b sqrt(v) + eps)`` (0 where masked) and ``m`` goes into r's units (``xp``: the
-    array module of the bucket's memory). Returns whether ``v`` is frozen."""
+def maybe_freeze(st, target, steps, spec, xp):
+    """Freeze bucket ``st``'s ``v`` if it and its pipeline (``steps`` steps so far) have taken
+    ``target`` exact steps (``target`` > 0): its freeze step becomes its step count, its mask
+    ``v != 0``, its preconditioner ``r = 1 / (b sqrt(v) + eps)`` (0 where masked) and ``m``
+    goes into r's units (``xp``: the array module of the bucket's memory). Returns whether
+    ``v`` is frozen. (The two counts differ where a bucket came later than its pipeline, or
+    a binding carried a bucket's moments over from another pipeline.)"""
     step, freeze = st.arrays[STEP], st.arrays[FREEZE]
     if freeze[0]:
         return True
-    if not target or step[0] < target:
+    if not target or step[0] < target or steps < target:
         return False
     v, m = st.arrays[V], st.arrays[M]
     b = spec.factors(1, int(step[0]))[1]
@@ -171,6 +173,15 @@ def maybe_freeze(st, target, spec, xp):
     xp.multiply(m, r, out=m, dtype=F32)
     freeze[0] = step[0]
     return True
+
+
+def measuring(comp, meta):
+    """Whether the adaptive freeze rule measures this exact step of a bucket of compressor
+    ``comp``: a lossy one without ``warmup_steps``, the pipeline not frozen yet, and no
+    binding deciding the freeze itself (``meta["adam"]["manual"]``: the torch hook's
+    ``freeze_iter``)."""
+    rule = meta.get("adam", {})
+    return not comp.lossless and not comp.warmup_steps and not rule.get("frozen_at") and not rule.get("manual")
 
 
 def observe(meta, change, step):

@@ -201,6 +201,7 @@ class CompressionState:
         self.buckets = {}             # (digest hex, bucket index) -> BucketState
         self.pending = {}             # restored, not yet claimed by a plan
         self.meta = {}                # an optimizer correction's pipeline-wide scalars (JSON-able)
+        self.seeds = {}               # bucket index -> a saved entry for a new bucket of that index (``seed``)
         self._fresh_restore = False   # no compressed step since the last restore
         self._claimed_any = False
 
@@ -226,6 +227,9 @@ class CompressionState:
             saved = self.pending.pop(key, None)
             if saved is not None:
                 self._claimed_any = True
+            else:
+                saved = self.seeds.pop(key[1], None)
+            if saved is not None:
                 if not st.upload(saved):
                     warnings.warn(f"gradfuse: checkpointed state of bucket {key[1]} has a different size; "
                                   f"starting the parts that differ from zero", RuntimeWarning, stacklevel=3)
@@ -252,6 +256,12 @@ class CompressionState:
         self._claimed_any = True
         return (bk.xp.array(saved["residual"], dtype=np.float32),
                 bk.xp.array(saved["server_residual"], dtype=np.float32))
+
+    def seed(self, index, entry):
+        """Start the next new bucket of index ``index`` (of any plan, without a restored state of
+        its own) from ``entry`` (a ``state_dict()`` bucket entry): a binding that carries an
+        optimizer correction's arrays over to a new bucket layout (the DDP hook's rebuild)."""
+        self.seeds[int(index)] = entry
 
     def scale_velocity(self, factor):
         """Multiply every velocity by ``factor`` at its bucket's next velocity update (folded

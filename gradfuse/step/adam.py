@@ -62,7 +62,8 @@ def frozen(step, b, comp):
     """Whether compressible bucket ``b`` (compressor ``comp``) runs compressed: its ``v`` is
     frozen, or freezes now because it has taken its warm-up's exact steps."""
     st = bucket_state(step, b)
-    return _adam.maybe_freeze(st, _adam.freeze_target(comp, step.cfg.state.meta), step.cfg.adam, step.entry.bk.xp)
+    state = step.cfg.state
+    return _adam.maybe_freeze(st, _adam.freeze_target(comp, state.meta), state.step, step.cfg.adam, step.entry.bk.xp)
 
 
 def moment(job, spec):
@@ -129,9 +130,7 @@ def plain(step, comm, jobs, spec):
         m, v, count = st.arrays[_adam.M], st.arrays[_adam.V], st.arrays[_adam.STEP]
         n = int(count[0]) + 1
         a, bb = spec.factors(n, n)
-        comp = policy.compressors[b.group]
-        rule = (not comp.lossless and not comp.warmup_steps
-                and not meta.get("adam", {}).get("frozen_at", 0))    # the adaptive freeze is measuring
+        rule = _adam.measuring(policy.compressors[b.group], meta)       # the adaptive freeze is measuring
         ptrs, off, counts, lo, hi = tables[b.index][1]
         sums = bk.kernels.adam_plain(ptrs, off, counts, lo, hi, m, v, spec.b1, spec.c1, spec.b2, spec.c2, a, bb,
                                      spec.eps, spec.bias2(n), spec.bias2(n - 1), rule)

@@ -27,6 +27,7 @@ import torch
 
 from ..pipeline import Pipeline
 from ..step.stats import Stats
+from . import adam as _adam
 from .comm import TorchCommunicator
 
 _NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
@@ -48,6 +49,11 @@ class CompressionState:
             (``check_optimizer`` warns otherwise).
         start_iter: DDP iterations before this one are reduced uncompressed (with
             ``momentum``, their velocity is not carried over into compression). Default 0.
+        adam: the Adam correction (``gradfuse.torch.adam``): a dict of ``betas``, ``eps``,
+            ``freeze_iter`` and ``clip`` (``{}`` for the defaults). The hook keeps Adam's
+            moments (exact Adam until the freeze, then the frozen ``v`` and the first moment
+            compressed with error feedback) and returns AdamW's step; the optimizer must
+            then be SGD with momentum 0 (its ``weight_decay`` is AdamW's decoupled decay).
         module: the model (or its DDP wrapper), to name tensors by parameter name for the
             layer policy and error messages; else they are ``bucket<i>.<j>``.
         min_elements: as ``gradfuse.Pipeline``.
@@ -67,10 +73,10 @@ class CompressionState:
 
     __slots__ = ("compress", "momentum", "start_iter", "comm", "iteration", "calls", "layout_changes",
                  "_opts", "_names", "_pipes", "_retired", "_warned", "_lock", "_finisher", "_plain",
-                 "last_error")
+                 "last_error", "adam", "_carry")
 
     def __init__(self, compress="1bit", process_group=None, *, momentum=0.0, start_iter=0, module=None,
-                 min_elements=0, nonfinite="raise", **options):
+                 min_elements=0, nonfinite="raise", adam=None, **options):
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter must be a non-negative int, got {start_iter!r}")
         self.compress, self.momentum, self.start_iter = compress, float(momentum), start_iter
@@ -78,8 +84,10 @@ class CompressionState:
         opts = dict(options, min_elements=min_elements, nonfinite=nonfinite)
         if self.momentum:
             opts["momentum"] = self.momentum
-        # compress=None without momentum is DDP's own arithmetic: scale by 1/p, then the backend's sum
-        self._plain = compress is None and not self.momentum
+        self.adam = _adam.configure(adam, compress, self.momentum, start_iter, opts)
+        self._carry = {}              # with adam: tensor name -> its moments, carried over DDP's rebuild
+        # compress=None without momentum or Adam is DDP's own arithmetic: scale by 1/p, then the backend's sum
+        self._plain = compress is None and not self.momentum and self.adam is None
         self._opts = opts
         Pipeline(compress, comm=self.comm, **opts)      # the options are checked here, on every rank
         self.iteration = 0            # DDP iterations completed (a bucket with is_last() ends one)
@@ -116,10 +124,16 @@ class CompressionState:
                 total[k] += v
         return total
 
-    def check_optimizer(self, optimizer):
+    def check_optimizer(self, optimizer, scaler=None):
         """Warn (once) if ``momentum`` is set here and ``optimizer`` has momentum too: the
-        velocity would be applied twice (DGC's correction moves it out of the optimizer)."""
-        if not self.momentum or self._warned:
+        velocity would be applied twice (DGC's correction moves it out of the optimizer).
+        With ``adam``: warn (once) when the optimizer would apply Adam (or momentum) again,
+        and refuse a ``scaler`` (an enabled ``torch.amp.GradScaler``) with a ValueError;
+        without either: warn when an Adam-family optimizer meets a lossy compressor
+        (``gradfuse.torch.adam.check_optimizer``)."""
+        if self.adam is not None or not self.momentum:
+            return _adam.check_optimizer(self, optimizer, scaler)
+        if self._warned:
             return False
         for group in optimizer.param_groups:
             m = group.get("momentum", 0) or 0
@@ -159,13 +173,16 @@ class CompressionState:
         return ok
 
     def __repr__(self):
-        return (f"gradfuse.torch.CompressionState(compress={self.compress!r}, momentum={self.momentum}, "
+        adam = "" if self.adam is None else f"adam={self.adam!r}, "
+        return (f"gradfuse.torch.CompressionState(compress={self.compress!r}, momentum={self.momentum}, {adam}"
                 f"start_iter={self.start_iter}, iteration={self.iteration}, {self.comm.describe()})")
 
     # --- one bucket --------------------------------------------------------------------
     def _retire(self, keys):
         for key in keys:
             pipe, _ = self._pipes.pop(key)
+            if self.adam is not None:
+                _adam.harvest(self, key, pipe)
             for k, v in pipe.stats.as_dict().items():
                 setattr(self._retired, k, getattr(self._retired, k) + v)
 
@@ -205,6 +222,8 @@ class CompressionState:
                 self.layout_changes += 1
             self._retire(stale)
             entry = self._pipes[key] = [self._make(warm), True]
+            if self.adam is not None:
+                _adam.carry(self, entry[0], layout)
         elif not entry[1]:                    # a restored layout, now in use: the others go
             self._retire([k for k, (_, used) in self._pipes.items() if k[1] == idx and used])
             entry[1] = True
@@ -220,6 +239,8 @@ class CompressionState:
             buf.mul_(1.0 / self.comm.size)
         with self._lock:
             pipe = self._pipeline(warm, idx, layout)
+            if self.adam is not None:
+                _adam.before_step(self, pipe, buf)
             handle = pipe.allreduce_async(views, out=views, names=names)
             self.calls += 1
             if bucket.is_last():

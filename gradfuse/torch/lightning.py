@@ -11,7 +11,9 @@ exists (the strategy itself is made before it does)::
     strategy.gradfuse_state.stats        # the hook's counters, on every rank
 
 With ``momentum`` the LightningModule's optimizer must run with momentum 0; the strategy
-warns once (``CompressionState.check_optimizer``) when it does not.
+warns once (``CompressionState.check_optimizer``) when it does not. With ``adam``
+(``gradfuse_options={"adam": {...}}``) it must be SGD with momentum 0, and a precision
+plugin's GradScaler (``precision="16-mixed"``) is refused.
 """
 import inspect
 
@@ -51,5 +53,6 @@ class GradfuseDDPStrategy(DDPStrategy):
         the hook's state has DGC's (``CompressionState.check_optimizer``)."""
         super().setup(trainer)
         if self.gradfuse_state is not None:
+            scaler = getattr(getattr(self, "precision_plugin", None), "scaler", None)   # 16-mixed's GradScaler
             for opt in self.optimizers:
-                self.gradfuse_state.check_optimizer(getattr(opt, "_optimizer", opt))
+                self.gradfuse_state.check_optimizer(getattr(opt, "_optimizer", opt), scaler)
