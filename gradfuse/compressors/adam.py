@@ -11,14 +11,15 @@ feedback. Per bucket, with ``d`` this rank's (prepared) gradient, float32, on st
   ``min_elements``, ``compress=None``; they keep a live ``v`` for good): the gradients are
   averaged exactly, ``g = mean_ranks(d)``, then ``m = b1 m + c1 g``, ``v = b2 v + c2 g^2`` and
   the result is the step ``s = (a_t m) / (b_t sqrt(v) + eps)`` (``adam_plain``);
-* **after the freeze** at step ``T``: ``x = b1 m + c1 d`` (this rank's moment), error feedback
-  on it, ``c = x + e``, ``send compress(c)``, ``e = c - decompress(sent)`` (one fused pass for
-  1-bit: ``adam_onebit_compress``); after the exchange every rank sets ``m`` to the mean of the
-  ranks' decoded payloads (DeepSpeed's rule, below) and the result is the step with the
-  frozen ``v_T`` and the frozen bias correction ``1 - b2^T`` (``adam_apply``); where ``v_T`` is 0
-  (``mask``) the step and ``m`` are 0, as DeepSpeed's ``exp_avg_mask`` makes them (1-bit
-  cannot send an exact 0: without it a parameter that never had a gradient, such as the
-  embedding row of a token never seen, would move by the block's scale).
+* **after the freeze** at step ``T``: with ``r = 1 / (b_T sqrt(v_T) + eps)`` (fixed from now on;
+  ``m`` becomes ``m r``), ``x = b1 m + (c1 d) r`` (this rank's moment, in the update's units),
+  error feedback on it, ``c = x + e``, ``send compress(c)``, ``e = c - decompress(sent)`` (one
+  fused pass for 1-bit: ``adam_onebit_compress``); after the exchange every rank sets ``m`` to
+  the mean of the ranks' decoded payloads (DeepSpeed's rule, below) and the result is the
+  step ``a_t m``, with ``v_T`` and its bias correction ``1 - b2^T`` frozen (``adam_apply``);
+  where ``v_T`` is 0 (``mask``) the step and ``m`` are 0, as DeepSpeed's ``exp_avg_mask`` makes
+  them (1-bit cannot send an exact 0: without it a parameter that never had a gradient,
+  such as the embedding row of a byte never seen, would move by the block's scale).
 
 The two rules (``rule``), with ``B1(t) = 1 - b1^t`` and ``B2 = 1 - b2^t`` (``t`` frozen at ``T``):
 ``"adam"`` is MXNet's Adam (``mxnet/optimizer/optimizer.py``: ``c1 = 1.f - b1`` in float32,
@@ -38,7 +39,16 @@ mean keeps one ``m`` on every rank (any rank's checkpoint holds the ``m`` that w
 writes ``m`` once, after the step's verdict, in the pass that computes the step (the fused
 compress pass reads ``m`` and writes none), so a refused step leaves it as it was without a
 second buffer, and needs nothing of a compressor (the sent rule needs each compressor to
-decode its own payload). docs/compressors.md has the measured comparison.
+decode its own payload).
+
+**Which units.** The compressed quantity is the moment divided by the frozen denominator,
+``m r`` with ``r = 1 / (b sqrt(v_T) + eps)`` (``r`` 0 where ``v_T`` is 0), not ``m`` itself as
+in DeepSpeed: with ``v`` frozen, ``r`` is a fixed diagonal map, so error feedback is exact in
+either space, but a compressor's error is then relative to the update, not to the moment.
+Compressing ``m`` gives a tensor element whose frozen ``v`` is small (a unit that stopped
+firing) 1-bit's block scale, an ``m`` of its neighbours' size, divided by its own small
+``sqrt(v)``: a step orders of magnitude too large, which diverged the digits CNN at the
+freeze (docs/compressors.md, "The Adam correction"). After the freeze ``adam.m`` holds ``m r``.
 
 **The freeze.** A bucket's ``v`` freezes after ``T`` exact steps: ``warmup_steps`` of its
 compressor when set (DeepSpeed's ``freeze_step``), else the step at which the pipeline's
@@ -53,7 +63,8 @@ docs/compressors.md reports where it froze on the runs measured there.
 
 State (named per-bucket arrays of ``gradfuse.compressors.state``, checkpointed bit-exactly):
 ``adam.m``, ``adam.v`` (float32), ``adam.step`` (the bucket's Adam steps ``t``),
-``adam.freeze`` (``T``, 0 while ``v`` is live), ``adam.mask`` (uint8, after the freeze); the
+``adam.freeze`` (``T``, 0 while ``v`` is live), ``adam.mask`` (uint8) and ``adam.r`` (float32,
+both after the freeze); the
 pipeline's rule keeps ``{"calm": steps in a row below the tolerance, "frozen_at": its
 freeze step or 0}`` in ``CompressionState.meta["adam"]``.
 """
