@@ -118,7 +118,7 @@ def plain(step, comm, jobs, spec):
             tables[b.index] = (sg, sg.table(t))
         else:
             tables[b.index] = (None, (step.dst, t.elem_offsets, t.counts, b.lo, b.hi))
-    bad = [b for b in buckets if _absmax(bk, tables[b.index][1]) == float("inf")]
+    bad = [b for b in buckets if _absmax(bk, tables[b.index][1], b.count) == float("inf")]
     if bad:
         return _refuse(step, jobs, [entry.names[int(i)] for b in bad for i in entry.plan.order[b.lo:b.hi]])
     meta = cfg.state.meta
@@ -148,13 +148,17 @@ def plain(step, comm, jobs, spec):
     return True
 
 
-def _absmax(bk, table):
-    """max |x| of a float32 table (inf when a value is not finite)."""
-    ptrs, _, counts, lo, hi = table
+def _absmax(bk, table, n):
+    """max |x| of a float32 table of ``n`` elements (inf when a value is not finite)."""
+    ptrs, off, counts, lo, hi = table
     if bk.device == "cpu":
         return _core.table_absmax(ptrs, counts, lo, hi)
-    x = bk.gather_f32(table, int(np.asarray(counts[lo:hi]).sum()))
-    return float(bk.xp.abs(x).max()) if bool(bk.xp.isfinite(x).all()) else float("inf")
+    if not n:
+        return 0.0
+    xp = bk.xp                        # on the device: gathered there, reduced there
+    x = xp.empty(n, np.float32)
+    bk.kernels.pack(x.view(np.uint8), ptrs, off * 4, counts * 4, lo, hi)
+    return float(xp.abs(x).max()) if bool(xp.isfinite(x).all()) else float("inf")
 
 
 def _observe(cfg, comm, measure):
