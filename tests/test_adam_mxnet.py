@@ -160,6 +160,28 @@ def test_default_rules_and_errors():
         hvd.DistributedOptimizer(mx.optimizer.create("adamw"), momentum_correction=True)
 
 
+def test_the_default_rule_is_the_compressors_attribute():
+    """A compressor class with optimizer_correction=False (its own algorithm rules the
+    corrections out) gets neither DGC's nor the Adam correction by default."""
+    import gradfuse
+    from gradfuse.compressors import OneBit
+
+    class NoCorrection(OneBit):
+        name = "1bit-nocorr"
+        optimizer_correction = False
+    from gradfuse.compressors import registry
+    gradfuse.register_compressor("1bit-nocorr", NoCorrection)
+    try:
+        assert not NoCorrection().corrects_by_default and NoCorrection().error_feedback
+        for opt, p in (("adam", {}), ("sgd", {"momentum": 0.9})):
+            tr = hvd.DistributedTrainer(mlp().collect_params(), opt, p, compress="1bit-nocorr")
+            assert tr._adam_correction is None and tr._correction is None, opt
+        assert hvd.DistributedTrainer(mlp().collect_params(), "adam", {}, compress="1bit-nocorr",
+                                      adam_correction=True)._adam_correction is not None
+    finally:
+        registry._REGISTRY.pop("1bit-nocorr", None)     # the registry is the process's
+
+
 @pytest.mark.parametrize("at", [3, 8])
 def test_checkpoint_restores_bit_exactly(at):
     """save_states / load_states before (3) and after (8) the freeze: m, v, the step
