@@ -67,7 +67,8 @@ def frozen(step, b, comp):
 
 
 def moment(job, spec):
-    """The compressor of ``job`` reads ``b1 m + c1 g`` (``BucketJob.compress_into``)."""
+    """The compressor of ``job`` reads the moment ``b1 m + (c1 g) r`` instead of the gradients
+    (``BucketJob.compress_into``: 1-bit's fused pass, or the moment pass)."""
     job.adam = spec
 
 
