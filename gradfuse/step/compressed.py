@@ -118,5 +118,5 @@ def decode(job):
     correction the decoded mean moment then becomes ``m`` and the outputs the step."""
     with _job_stage("decompress", job):
         job.decode()
-        if job.adam is not None:
+        if getattr(job, "adam", None) is not None:      # (a 16-bit Part16 has none: no Adam there)
             _adam.apply(job)
