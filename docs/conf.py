@@ -6,7 +6,7 @@ Build (offline: no intersphinx, nothing is fetched):
     .venv/bin/python -m sphinx -W --keep-going docs docs/_build/html
 
 Which venv builds: the README's main ``.venv`` (MXNet 1.9.1, numpy 1.23, the compiled
-kernels built in place). It has no torch, so ``torch`` and ``pytorch_lightning`` are mocked
+kernels built in place). It has no torch, so ``torch``, ``lightning`` and ``pytorch_lightning`` are mocked
 for autodoc (``autodoc_mock_imports`` below): ``gradfuse.torch`` imports against the mocks
 and its pages come from its own docstrings, which is all autodoc reads. ``gradfuse.mxnet``
 imports the real MXNet. The compiled modules (``gradfuse._core``) are built with Cython's
@@ -43,7 +43,7 @@ myst_heading_anchors = 4
 myst_enable_extensions = ["colon_fence", "deflist"]
 
 # autodoc: the frameworks the docs venv lacks are mocked (see the module docstring)
-autodoc_mock_imports = ["torch", "pytorch_lightning"]
+autodoc_mock_imports = ["torch", "lightning", "pytorch_lightning"]
 autodoc_default_options = {"members": True, "show-inheritance": True}
 autodoc_member_order = "bysource"
 autodoc_typehints = "description"

@@ -1,10 +1,14 @@
-"""PyTorch Lightning on CPU with gradfuse's DDP comm hook (digits MLP).
+"""Lightning on CPU with gradfuse's DDP comm hook (digits MLP).
 
     torchrun --nproc_per_node 2 examples/torch_lightning_digits.py --compress 1bit
     python examples/torch_lightning_digits.py --devices 2 --compress topk     # Lightning starts the ranks
+    torchrun --nproc_per_node 2 examples/torch_lightning_digits.py --package pytorch_lightning
 
-Lightning's own ``DDPStrategy(ddp_comm_hook=...)`` ignores the hook on CPU;
-``gradfuse.torch.lightning.GradfuseDDPStrategy`` registers it on any device. The momentum
+``--package lightning`` (default) runs ``lightning.pytorch`` with
+``gradfuse.torch.lightning.GradfuseDDPStrategy``; ``--package pytorch_lightning`` the older
+package with ``gradfuse.torch.pytorch_lightning.GradfuseDDPStrategy`` (each package's
+Trainer takes only its own strategies). Lightning's own ``DDPStrategy(ddp_comm_hook=...)``
+ignores the hook on CPU; gradfuse's strategy registers it on any device. The momentum
 lives in the hook state (``momentum=0.9``), so the module's SGD runs with momentum 0.
 At the end every rank prints the hook's counters and checks that all ranks hold the same
 parameters.
@@ -14,15 +18,21 @@ import json
 import os
 import sys
 
+import importlib
+
 import numpy as np
-import pytorch_lightning as pl
 import torch
 import torch.distributed as dist
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch.utils.data import DataLoader, TensorDataset
 
-from gradfuse.torch.lightning import GradfuseDDPStrategy
+# the package decides the base classes below, so it is read before the other arguments
+_pre = argparse.ArgumentParser(add_help=False)
+_pre.add_argument("--package", choices=["lightning", "pytorch_lightning"], default="lightning")
+PACKAGE = _pre.parse_known_args()[0].package
+pl = importlib.import_module("lightning.pytorch" if PACKAGE == "lightning" else "pytorch_lightning")
+GradfuseDDPStrategy = importlib.import_module(f"gradfuse.torch.{PACKAGE}").GradfuseDDPStrategy
 
 
 class DigitsMLP(pl.LightningModule):
@@ -47,6 +57,8 @@ def main():
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--package", choices=["lightning", "pytorch_lightning"], default="lightning",
+                    help="which Lightning package runs (default: lightning, i.e. lightning.pytorch)")
     args = ap.parse_args()
     devices = args.devices or int(os.environ.get("WORLD_SIZE", 2))
     pl.seed_everything(args.seed, verbose=False)
@@ -69,7 +81,7 @@ def main():
     dist.all_gather(out, flat)
     st = state.stats
     line = "GRADFUSE-LIGHTNING " + json.dumps({
-        "rank": dist.get_rank(), "world_size": dist.get_world_size(), "compress": args.compress,
+        "rank": dist.get_rank(), "world_size": dist.get_world_size(), "compress": args.compress, "package": pl.__name__,
         "hook_calls": state.calls, "iterations": state.iteration, "steps": st["steps"],
         "bytes_sent": st["bytes_sent"], "bytes_reduced": st["bytes_reduced"], "global_step": trainer.global_step,
         "test_acc": acc, "identical_on_all_ranks": all(torch.equal(o, out[0]) for o in out)}) + "\n"

@@ -94,9 +94,9 @@ def _check_arrays(op, arrays, names, reduce):
             raise ValueError(f"{op}: tensor {name!r} is not C-contiguous")
 
 
-def _runner(ctx, op, build, job_of):
+def _runner(ctx, op, build, job_of, suffix=""):
     """Validate locally (``build`` returns (request, state)); return the function that
-    negotiates and runs on the communication thread.
+    negotiates and runs on the communication thread (timeline: the names + ``suffix``).
 
     A local validation error still takes part in the negotiation, so the other ranks
     raise too instead of waiting.
@@ -110,7 +110,7 @@ def _runner(ctx, op, build, job_of):
             ctx.coordinator.negotiate(bad)
         return refuse
     job = job_of(state)
-    names = request.names
+    names = [n + suffix for n in request.names] if suffix else request.names
 
     def run():
         with _tl.stage("op", op, names):       # the timeline: negotiation, then the job
@@ -120,8 +120,8 @@ def _runner(ctx, op, build, job_of):
     return run
 
 
-def _submit(ctx, op, build, job_of, runner_only=False):
-    run = _runner(ctx, op, build, job_of)
+def _submit(ctx, op, build, job_of, runner_only=False, suffix=""):
+    run = _runner(ctx, op, build, job_of, suffix)
     return run if runner_only else ctx.engine.submit(run, op)
 
 
@@ -270,24 +270,30 @@ def broadcast(arrays, root, **kw):
 # --- allgather ---------------------------------------------------------------------
 def _need_dim(op, arrays, names):
     for a, name in zip(arrays, names):
-        if a.ndim == 0:
+        if len(a.shape) == 0:
             raise ValueError(f"{op}: tensor {name!r} is a scalar; {op} needs at least one dimension")
 
 
-def allgather_async(arrays, names=None, comm=None, runner_only=False):
+def allgather_async(arrays, names=None, comm=None, runner_only=False, rows_only=False):
     """Concatenate each array along its first dimension across ranks (rank order).
 
     The first dimension may differ between ranks; the other dimensions and the dtype
-    must match. The handle's result is a list of new arrays.
+    must match. The handle's result is a list of new arrays. ``rows_only``: the first
+    round of an allgather whose outputs must be sized before its data moves (a
+    binding's): ``arrays`` need only ``shape`` and ``dtype``, the ranks agree as on the
+    data (a disagreement raises here, with the same message), and the result is every
+    rank's first dimensions (int64, ``[size, len(arrays)]``); its timeline track is
+    ``<name>.rows``.
     """
     ctx = _context(comm)
     arrays = list(arrays)
 
     def build():
         nm = _names("allgather", names, len(arrays), ctx)
-        _check_arrays("allgather", arrays, nm, reduce=False)
+        if not rows_only:
+            _check_arrays("allgather", arrays, nm, reduce=False)
         _need_dim("allgather", arrays, nm)
-        req = Request("allgather", nm, [("*",) + a.shape[1:] for a in arrays],
+        req = Request("allgather", nm, [("*",) + tuple(a.shape[1:]) for a in arrays],
                       [str(a.dtype) for a in arrays], {"size": ctx.comm.size})
         return req, nm
 
@@ -299,6 +305,8 @@ def allgather_async(arrays, names=None, comm=None, runner_only=False):
             rows = np.empty((c.size, len(arrays)), dtype=np.int64)
             if len(arrays):
                 c.allgather(mine, rows)
+            if rows_only:
+                return rows
             outs = []
             for i, a in enumerate(arrays):
                 per_row = int(np.prod(a.shape[1:], dtype=np.int64))
@@ -313,7 +321,7 @@ def allgather_async(arrays, names=None, comm=None, runner_only=False):
             return outs
         return job
 
-    return _submit(ctx, "allgather", build, job_of, runner_only)
+    return _submit(ctx, "allgather", build, job_of, runner_only, suffix=".rows" if rows_only else "")
 
 
 def allgather(arrays, **kw):

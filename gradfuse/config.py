@@ -19,6 +19,7 @@ _INT = re.compile(r"[+-]?[0-9]+")
 _NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 
 DEFAULT_FUSION_THRESHOLD = 1 << 20   # bytes; chosen by measurement, see docs/design.md
+MAX_FUSION_THRESHOLD = 1 << 40      # bytes: far beyond any bucket, and an int64 everywhere
 DEFAULT_STALL_WARNING_S = 60.0
 DEFAULT_STALL_TIMEOUT_S = 600.0      # as PyTorch's NCCL watchdog; 0 turns it off
 DEFAULT_PIPELINE_BUCKETS = True      # bit-identical either way; measured, see docs/benchmarks.md
@@ -100,18 +101,19 @@ def env_bool(var, default):
     return text == "1"
 
 
-def fusion_threshold(value=None):
+def fusion_threshold(value=None, name="fusion_threshold"):
     """The fusion threshold in bytes: the argument, else GRADFUSE_FUSION_THRESHOLD, else
-    HOROVOD_FUSION_THRESHOLD, else the default."""
+    HOROVOD_FUSION_THRESHOLD, else the default. ``name``: the option the argument came as
+    (in the error)."""
     if value is None:
         return env_int(source("GRADFUSE_FUSION_THRESHOLD"), DEFAULT_FUSION_THRESHOLD,
-                       minimum=0, maximum=1 << 40)
+                       minimum=0, maximum=MAX_FUSION_THRESHOLD)
     try:
         as_int = operator.index(value)
     except TypeError:
         as_int = None
-    if isinstance(value, bool) or as_int is None or as_int < 0:
-        raise ValueError(f"fusion_threshold must be a non-negative int of bytes, got {value!r}")
+    if isinstance(value, bool) or as_int is None or not 0 <= as_int <= MAX_FUSION_THRESHOLD:
+        raise ValueError(f"{name} must be an int of bytes in [0, 2**40], got {value!r}")
     return int(as_int)
 
 

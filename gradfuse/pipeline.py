@@ -108,7 +108,7 @@ class Pipeline:
         self._compressor = self._policy.main
         self._fusion_threshold = config.fusion_threshold(fusion_threshold)
         if direct_threshold is not None:
-            direct_threshold = config.fusion_threshold(direct_threshold)
+            direct_threshold = config.fusion_threshold(direct_threshold, "direct_threshold")
         self._direct_threshold = direct_threshold
         if not isinstance(average, (bool, np.bool_)):
             raise TypeError(f"average must be True or False, got {average!r}")
@@ -118,7 +118,10 @@ class Pipeline:
         self._nonfinite = nonfinite
         if link_bandwidth is None and link_latency is not None:
             raise ValueError(f"link_latency={link_latency!r} needs link_bandwidth (the cost model's link)")
-        self._link = None if link_bandwidth is None else cost.link_from(link_bandwidth, link_latency)
+        try:
+            self._link = None if link_bandwidth is None else cost.link_from(link_bandwidth, link_latency)
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"options link_bandwidth={link_bandwidth!r}, link_latency={link_latency!r}: {e}") from None
         if not isinstance(uncompressed_if_faster, (bool, np.bool_)):
             raise TypeError(f"uncompressed_if_faster must be True or False, got {uncompressed_if_faster!r}")
         if uncompressed_if_faster and self._link is None:

@@ -115,7 +115,10 @@ def import_everything():
         # the torch binding is an optional extra: its modules import where torch is installed
         if m.name.startswith("gradfuse.torch") and importlib.util.find_spec("torch") is None:
             continue
-        if m.name == "gradfuse.torch.lightning" and importlib.util.find_spec("pytorch_lightning") is None:
+        # each Lightning strategy imports its own package, which is optional too
+        if m.name == "gradfuse.torch.lightning" and importlib.util.find_spec("lightning") is None:
+            continue
+        if m.name == "gradfuse.torch.pytorch_lightning" and importlib.util.find_spec("pytorch_lightning") is None:
             continue
         try:
             importlib.import_module(m.name)

@@ -16,6 +16,7 @@
 # (a missing GPU is a failure there; here a skipped communicator or pipeline test is one
 # too): kernels, the nvcc/NVRTC checks, communicators, the Pipeline on cupy arrays (1 rank,
 # and 2 ranks under mpiexec: host-staged, since NCCL refuses two ranks on one GPU), the
+# DDP comm hook on CUDA buckets (torchrun: world size 1 over NCCL, 2 ranks over gloo), the
 # example on the GPU; 3) the kernel benchmark on a 256 MB bucket and Pipeline steps on
 # ResNet-50, GPU vs host (python -m gradfuse.bench gpu --pipeline), markdown on stdout and
 # in $OUT/gpu_bench.md, written row by row. Logs go to $OUT (or /tmp). Exit status:
@@ -144,6 +145,30 @@ for part in kernels compile-checks comm pipeline; do
         grep -q "^SKIPPED" "$LOGS/gpu_tests_$part.log" && { fail=1; say "GPU TESTS ($part): tests SKIPPED (see above)"; }
     fi
 done
+
+# gradfuse.torch's DDP comm hook on CUDA buckets (the image has PyTorch with CUDA): the hook's
+# averaged buckets against its host path on the same inputs, bucket by bucket and bit for bit,
+# every compressor, fp32 and bf16 models (tests/torch_bodies/cuda_buckets.py). NCCL refuses
+# two ranks on one GPU, so: world size 1 over NCCL (torch's NCCL collectives on the device),
+# then 2 ranks on the one GPU over gloo (the payloads staged through pinned host memory).
+# No MPI: torchrun starts the ranks.
+if timeout 60 $PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    for ddp in "1 nccl" "2 gloo"; do
+        read -r nproc backend <<< "$ddp"
+        say "2) DDP comm hook on CUDA buckets: torchrun --nproc_per_node $nproc, backend $backend"
+        step "ddp $backend" 75 $PY -m torch.distributed.run --nproc_per_node "$nproc" --master_addr 127.0.0.1 \
+            --master_port $(( 29600 + nproc )) tests/torch_bodies/cuda_buckets.py "$backend" \
+            > "$LOGS/gpu_ddp_$backend.log" 2>&1
+        rc=$?
+        grep -E "^(DEVICE|CHECK|ALL OK)|Error|error:" "$LOGS/gpu_ddp_$backend.log" | sort -u | head -20
+        if [ $rc -ne 0 ] || [ "$(grep -c '^ALL OK rank' "$LOGS/gpu_ddp_$backend.log")" != "$nproc" ]; then
+            tail -30 "$LOGS/gpu_ddp_$backend.log"; fail=1; say "DDP HOOK ON CUDA BUCKETS ($backend) FAILED (exit $rc)"
+        fi
+    done
+else
+    say "2) NOT RUN: the DDP hook on CUDA buckets (no PyTorch with CUDA on this image)"
+    notrun+=("ddp hook"); fail=1
+fi
 
 if [ -n "$MPIEXEC" ]; then
     say "2) GPU pipeline, 2 ranks on one GPU ($MPIEXEC -n 2)"

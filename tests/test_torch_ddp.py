@@ -72,7 +72,7 @@ def test_hook_under_mpiexec(n):
 def test_lightning_strategy_runs_the_hook_on_cpu():
     """Lightning's DDPStrategy ignores comm hooks on CPU; GradfuseDDPStrategy's hook really runs
     (its counters and bytes), once per optimizer step, on every rank."""
-    pytest.importorskip("pytorch_lightning")
+    pytest.importorskip("lightning.pytorch")       # the example's default package
     pytest.importorskip("sklearn")
     script = os.path.join(ROOT, "examples", "torch_lightning_digits.py")
     code, out, timed_out = run_limited(_torchrun(2, script, "--epochs", "1", "--compress", "1bit"), timeout=LIMIT,

@@ -121,6 +121,13 @@ class Communicator(ABC):
     def test(request) -> bool:
         """True when ``request`` has completed (never blocks)."""
 
+    def device_communicator(self, device):
+        """The communicator for this one's GPU buffers on CUDA ``device``, made collectively
+        on the communication thread at the first GPU step (the ranks have agreed on it), or
+        None: the runtime then picks one (NCCL or host-staged MPI for an MPI communicator).
+        Its control plane must be this communicator's."""
+        return None
+
     def carries(self, device):
         """Whether the data plane takes buffers in ``device`` memory ("cpu" or "cuda")."""
         return device in self.devices

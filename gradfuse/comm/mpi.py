@@ -21,7 +21,13 @@ def mpi():
     """Import mpi4py lazily, so that ``import gradfuse`` works without it."""
     global _MPI
     if _MPI is None:
-        from mpi4py import MPI
+        try:
+            from mpi4py import MPI
+        except ImportError as exc:
+            raise ImportError(f"gradfuse: the MPI communicator needs mpi4py ({exc}); install it with "
+                              f"pip install 'gradfuse[mpi]' (keeps your cluster's MPI, which mpi4py builds "
+                              f"against) or 'gradfuse[mpich]' (an MPI from PyPI too). gradfuse.torch needs "
+                              f"no MPI: its hook runs on torch.distributed") from exc
         _MPI = MPI
     return _MPI
 

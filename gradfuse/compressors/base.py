@@ -171,9 +171,16 @@ def _adam_options(name, adam, betas, eps, momentum):
     return adam, (float(betas[0]), float(betas[1])), float(eps)
 
 
-def _check_bool(name, value):
+#: the largest block size the kernels take (their block argument is a C int), a multiple of 32
+MAX_BLOCK = 2**31 - 32
+#: step counts (``warmup_steps``, ``sparsity_warmup``) compare with the step counter, an int64
+MAX_STEPS = 2**63 - 1
+
+
+def _check_bool(name, value, who=None):
     if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"option {name!r} must be True or False, got {value!r}")
+        prefix = f"compressor {who!r}: " if who else ""
+        raise TypeError(f"{prefix}option {name!r} must be True or False, got {value!r}")
     return bool(value)
 
 
@@ -246,10 +253,11 @@ class Compressor(ABC):
                             f"with the Adam correction: adam, betas, eps")
         self.options = {k: options.get(k, v) for k, v in self.OPTIONS.items()}
         self.error_feedback = (self.error_feedback_default if error_feedback is None
-                               else _check_bool("error_feedback", error_feedback))
+                               else _check_bool("error_feedback", error_feedback, self.name))
         if (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer))
-                or warmup_steps < 0):
-            raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
+                or not 0 <= warmup_steps <= MAX_STEPS):
+            raise ValueError(f"compressor {self.name!r}: option 'warmup_steps' must be an int in [0, 2**63 - 1] "
+                             f"(steps), got {warmup_steps!r}")
         self.warmup_steps = int(warmup_steps)
         # DGC's momentum correction and sparsity warm-up (gradfuse.compressors.momentum)
         if (isinstance(momentum, (bool, np.bool_)) or not isinstance(momentum, (int, float, np.integer, np.floating))
@@ -257,14 +265,14 @@ class Compressor(ABC):
             raise ValueError(f"compressor {self.name!r}: option 'momentum' must be a number in [0, 1), "
                              f"got {momentum!r}")
         self.momentum = float(momentum)
-        self.nesterov = _check_bool("nesterov", nesterov)
+        self.nesterov = _check_bool("nesterov", nesterov, self.name)
         if self.nesterov and not self.momentum:
             raise ValueError(f"compressor {self.name!r}: option 'nesterov=True' needs momentum > 0, got "
                              f"momentum={momentum!r}")
         if momentum_masking is None:
             self.momentum_masking = bool(sparse and self.error_feedback and self.momentum)
         else:
-            self.momentum_masking = _check_bool("momentum_masking", momentum_masking)
+            self.momentum_masking = _check_bool("momentum_masking", momentum_masking, self.name)
             if self.momentum_masking and not self.momentum:
                 raise ValueError(f"compressor {self.name!r}: option 'momentum_masking=True' needs momentum > 0, "
                                  f"got momentum={momentum!r}")
@@ -273,15 +281,21 @@ class Compressor(ABC):
                                  f"error_feedback=True (it masks where the residual was cleared), got "
                                  f"error_feedback=False")
         if (isinstance(sparsity_warmup, bool) or not isinstance(sparsity_warmup, (int, np.integer))
-                or sparsity_warmup < 0):
-            raise ValueError(f"compressor {self.name!r}: option 'sparsity_warmup' must be a non-negative int "
-                             f"(steps), got {sparsity_warmup!r}")
+                or not 0 <= sparsity_warmup <= MAX_STEPS):
+            raise ValueError(f"compressor {self.name!r}: option 'sparsity_warmup' must be an int in "
+                             f"[0, 2**63 - 1] (steps), got {sparsity_warmup!r}")
         if sparsity_warmup and not sparse:
             raise ValueError(f"compressor {self.name!r}: option 'sparsity_warmup' ramps the 'ratio' of top-k "
                              f"and random-k, and {self.name!r} has no ratio (got sparsity_warmup={sparsity_warmup})")
         self.sparsity_warmup = int(sparsity_warmup)
         self.adam, self.betas, self.eps = _adam_options(self.name, adam, betas, eps, self.momentum)
-        self.validate()
+        try:
+            self.validate()
+        except (TypeError, ValueError) as e:
+            # every option error names the compressor, user compressors' too
+            if str(e).startswith(f"compressor {self.name!r}"):
+                raise
+            raise type(e)(f"compressor {self.name!r}: {e}") from None
 
     @property
     def corrects_by_default(self):

@@ -34,7 +34,7 @@ DGC's form: the compressor reads ``m * u + g``, not the velocity.
 import numpy as np
 
 from .. import _core
-from .base import Compressor, block_parts, kernels, settled_bound
+from .base import MAX_BLOCK, Compressor, block_parts, kernels, settled_bound
 
 ALGORITHMS = ("auto", "allgather", "twophase")
 VELOCITY = ("sent", "local")
@@ -107,8 +107,8 @@ class OneBit(Compressor):
 
     def validate(self):
         b = self.options["block_size"]
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 32 or b % 32:
-            raise ValueError(f"option 'block_size' must be a multiple of 32 and >= 32, got {b!r}")
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 32 <= b <= MAX_BLOCK or b % 32:
+            raise ValueError(f"option 'block_size' must be a multiple of 32 in [32, {MAX_BLOCK}], got {b!r}")
         self.options["block_size"] = int(b)
         if self.options["algorithm"] not in ALGORITHMS:
             raise ValueError(f"option 'algorithm' must be one of {', '.join(ALGORITHMS)}, "

@@ -22,7 +22,7 @@ trains only where T suits every tensor (docs/experiments.md). Allgather only.
 import numpy as np
 
 from .. import _core
-from .base import Compressor, block_parts, kernels, settled_bound
+from .base import FLT_MAX, MAX_BLOCK, Compressor, block_parts, kernels, settled_bound
 
 ALGORITHMS = ("auto", "allgather", "twophase")
 DEFAULT_BLOCK, DEFAULT_FACTOR = 512, 1.0
@@ -72,9 +72,11 @@ class TwoBit(Compressor):
         if algo not in ALGORITHMS:
             raise ValueError(f"option 'algorithm' must be one of {', '.join(ALGORITHMS)}, got {algo!r}")
         if t is not None:
-            if not _number(t) or not np.isfinite(t) or not np.float32(t) > 0:
+            # the kernels take it as a float32: it must be finite and > 0 there too
+            if not _number(t) or not np.isfinite(t) or not 0 < np.float32(t) <= FLT_MAX:
                 raise ValueError(f"option 'threshold' must be a finite number > 0 (MXNet's absolute "
-                                 f"threshold) or None (the scaled format), got {t!r}")
+                                 f"threshold, in (0, {FLT_MAX:g}] as a float32) or None (the scaled format), "
+                                 f"got {t!r}")
             o["threshold"] = float(t)
             if f != DEFAULT_FACTOR or b != DEFAULT_BLOCK:
                 raise ValueError(f"options 'factor' and 'block_size' belong to the scaled 2-bit format; "
@@ -84,12 +86,12 @@ class TwoBit(Compressor):
                 raise ValueError("option 'algorithm=\"twophase\"' needs the scaled 2-bit format (per-block "
                                  f"values); 'threshold={t!r}' selects MXNet's absolute format, allgather only")
             return
-        if not _number(f) or not np.isfinite(f) or not f >= 0:
-            raise ValueError(f"option 'factor' must be a finite number >= 0 (threshold = factor * the "
-                             f"block's mean |c|), got {f!r}")
+        if not _number(f) or not np.isfinite(f) or not 0 <= f <= FLT_MAX:
+            raise ValueError(f"option 'factor' must be a finite number >= 0, in [0, {FLT_MAX:g}] (threshold = "
+                             f"factor * the block's mean |c|, a float32), got {f!r}")
         o["factor"] = float(f)
-        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or b < 32 or b % 32:
-            raise ValueError(f"option 'block_size' must be a multiple of 32 and >= 32, got {b!r}")
+        if isinstance(b, bool) or not isinstance(b, (int, np.integer)) or not 32 <= b <= MAX_BLOCK or b % 32:
+            raise ValueError(f"option 'block_size' must be a multiple of 32 in [32, {MAX_BLOCK}], got {b!r}")
         o["block_size"] = int(b)
 
     @property

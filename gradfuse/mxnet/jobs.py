@@ -7,8 +7,8 @@ run on the communication thread with numpy views of the arrays' memory and the
 framework-free collectives of ``gradfuse.collectives`` (or ``gradfuse.Pipeline``).
 
 allgather and alltoall need the other ranks' first dimensions to size their outputs:
-they run a short blocking round for them at call time (``_rows_round``), then hand the
-data movement to the engine.
+they run a short blocking round for them at call time (allgather's agrees on the whole
+call there, so its errors are raised at the call), then hand the data movement to the engine.
 """
 import mxnet as mx
 import numpy as np
@@ -120,18 +120,19 @@ def broadcast(ctx, comm, tensors, root, names):
 
 
 # --- allgather / alltoall: a blocking round for the outputs' shapes ----------------------------
-def _rows_round(label, name, rows, comm):
-    """Every rank's first dimensions (int64, one row per rank), at call time."""
-    return _wait(_coll.allgather_async([np.asarray([rows], dtype=np.int64)], names=[f"{name}.rows"],
-                                       comm=comm))[0]
-
-
 def allgather(ctx, comm, tensors, names):
-    """Concatenate each tensor across ranks along its first dimension; returns new NDArrays."""
+    """Concatenate each tensor across ranks along its first dimension; returns new NDArrays.
+
+    The call's round agrees on the whole allgather (names, the dimensions after the first,
+    dtypes) as it fetches the first dimensions, so a disagreement raises here, at the
+    call, on every rank (Horovod blocks in its allgather for the same reason: the output's
+    shape depends on the other ranks); the data then moves through MXNet's engine.
+    """
     tables = _tables("allgather", tensors, names, False, comm)
     _need_dim("allgather", tables, names, comm)
     n = tables.n
-    rows = _rows_round("allgather", names[0], [tables.shape(i)[0] for i in range(n)], comm)
+    shapes = [np.broadcast_to(np.zeros((), tables.dtype(i)), tables.shape(i)) for i in range(n)]   # no memory
+    rows = _wait(_coll.allgather_async(shapes, names=names, comm=comm, rows_only=True))
     outs = [handoff.empty_like(t, (int(rows[:, i].sum()),) + tables.shape(i)[1:]) for i, t in enumerate(tensors)]
     tables = fence.Tables(list(tensors), outs)
     call = handoff.Call(tables, n, "gradfuse.allgather")

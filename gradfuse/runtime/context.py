@@ -51,14 +51,18 @@ class Context:
         """The communicator for GPU buffers on device ``dev`` (the claimed one).
 
         Made once, collectively, on the communication thread after the ranks agreed on a
-        GPU step: the communicator itself if it carries device memory, else, for MPI, NCCL
-        or MPI through pinned host memory (with a warning).
+        GPU step: the communicator itself if it carries device memory, else the one it makes
+        for its GPU buffers (``device_communicator``: torch.distributed's), else, for MPI,
+        NCCL or MPI through pinned host memory (with a warning).
         """
         comm = self.gpu_comm
         if comm is None:
             base = self.comm
+            own = None if base.carries("cuda") else base.device_communicator(dev)
             if base.carries("cuda"):
                 comm = base
+            elif own is not None:
+                comm = own
             elif base.kind == "mpi":
                 from ..comm.nccl import make_gpu_communicator
                 comm = make_gpu_communicator(base, device=dev)

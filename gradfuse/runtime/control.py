@@ -27,7 +27,7 @@ import time
 import warnings
 
 from .. import config
-from ..errors import MismatchError, RemoteInputError
+from ..errors import GradfuseError, MismatchError, RemoteInputError
 from .abort import COORDINATOR_LEAD_S, announce_and_abort
 
 _MSG = struct.Struct("<Q16sQ")     # sequence number, request digest, step tag
@@ -153,6 +153,9 @@ class Coordinator:
         self.seq = 0
         self.negotiations = 0
         self.mismatches = 0
+        # set by the exit protocol (gradfuse.runtime.watchdog) once every rank has ended
+        # its script: a collective then fails at once, naming why
+        self.closed = None
 
     def negotiate(self, request, step=0):
         """Return when all ranks proposed the same ``request``; raise on every rank if not.
@@ -163,6 +166,8 @@ class Coordinator:
         self.seq += 1
         self.negotiations += 1
         comm = self.comm
+        if self.closed is not None and comm.size > 1:
+            raise GradfuseError(f"{self.closed}: collective #{self.seq} ({request.summary()}) refused")
         if comm.size == 1:
             if request.error is not None:
                 raise request.error
@@ -202,7 +207,7 @@ class Coordinator:
         done = [False] * len(reqs)
         start = time.monotonic()
         warn_s = config.stall_warning_s()
-        timeout_s = config.stall_timeout_s()
+        user_timeout_s = timeout_s = config.stall_timeout_s()
         if timeout_s and comm.rank != 0:
             timeout_s += COORDINATOR_LEAD_S    # the coordinator, which names the culprits, goes first
         next_warn = warn_s if warn_s else None
@@ -219,8 +224,11 @@ class Coordinator:
                 warnings.warn(self._stall_message(request, missing_of, done, waited), StallWarning,
                               stacklevel=2)
             if timeout_s and waited >= timeout_s:
-                text = ("gradfuse: stall timeout (GRADFUSE_STALL_TIMEOUT_S=%g): "
-                        % timeout_s) + self._stall_message(request, missing_of, done, waited)
+                # the value the user set (and where): this rank's lead over rank 0 is ours
+                lead = (f", and {COORDINATOR_LEAD_S:g} s more on ranks other than 0 so that rank 0 "
+                        f"speaks first" if timeout_s != user_timeout_s else "")
+                text = (f"gradfuse: stall timeout ({config.source('GRADFUSE_STALL_TIMEOUT_S')}="
+                        f"{user_timeout_s:g}{lead}): ") + self._stall_message(request, missing_of, done, waited)
                 announce_and_abort(text + "; aborting the job", comm.abort, 1)
             # spin briefly (latency), then back off to at most 1 ms (CPU for compute)
             if waited > 1e-4:

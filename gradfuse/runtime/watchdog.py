@@ -219,7 +219,7 @@ class _Hooks:
             if timeout and now - start > limit:
                 self.abort(f"gradfuse: rank {self.rank}: watchdog: collective {name!r} on the "
                            f"{ctx.comm.describe()} has run {now - start:.1f} s, longer than "
-                           f"GRADFUSE_STALL_TIMEOUT_S={timeout:g} (+{_CONTROL_GRACE_S:g} s for the "
+                           f"{config.source('GRADFUSE_STALL_TIMEOUT_S')}={timeout:g} (+{_CONTROL_GRACE_S:g} s for the "
                            f"control plane); the communication thread is stuck in:\n"
                            f"{self._stack(ctx.engine)}aborting the job")
 
@@ -245,12 +245,43 @@ class _Hooks:
                 sys.stderr.write(f"gradfuse: rank {self.rank}: watchdog error: {exc!r}\n")
 
     # --- exit protocol ---------------------------------------------------------------
+    def _drain(self):
+        """Wait until every communication thread has run what it holds: collectives the
+        script submitted and never waited for (an MXNet engine operation still pending
+        when a script ends, e.g. the last update of ``Module.fit``). The watchdog still
+        watches meanwhile, so a peer that has left, or a stall, ends the job promptly."""
+        marks = []
+        for ctx in self._contexts():
+            thread = getattr(ctx.engine, "_thread", None)
+            if thread is None or not thread.is_alive():     # an engine shut down runs nothing
+                continue
+            try:
+                marks.append(ctx.engine.submit(lambda: None, "end of the script"))
+            except Exception:                # a context being torn down: nothing to run
+                pass
+        for mark in marks:
+            mark.wait()
+
+    def _close(self):
+        """After a clean end: every rank has left its script, so a collective submitted
+        now (by a later atexit hook, or by MXNet's shutdown) could never be matched; each
+        context's control plane refuses it at once instead of waiting for the stall
+        timeout (as Horovod's 'Horovod has been shut down')."""
+        for ctx in self._contexts():
+            coordinator = getattr(ctx, "coordinator", None)
+            if coordinator is not None:
+                coordinator.closed = (f"gradfuse: rank {self.rank}: every rank has ended its script (the exit "
+                                      f"protocol ran on all {self.size}), so no rank can take part in this "
+                                      f"collective any more")
+
     def _at_exit(self):
         if self.aborting:
             return
+        MPI = self.MPI
+        if not MPI.Is_finalized():
+            self._drain()
         self._stop.set()
         self.thread.join(1.0)
-        MPI = self.MPI
         if MPI.Is_finalized():
             return
         code = UNKNOWN_CODE if self.exit_code is None else self.exit_code
@@ -281,6 +312,7 @@ class _Hooks:
                            f"aborting the job")
             time.sleep(min(0.01, 1e-4 + waited / 100))
         # a clean end: complete the goodbye traffic so that MPI_Finalize finds nothing pending
+        self._close()
         MPI.Request.Waitall(sends + list(self._recvs.values()))
         self.comm.Free()
         self.group.Free()

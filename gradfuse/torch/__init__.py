@@ -4,9 +4,12 @@
     state = gradfuse.torch.CompressionState("1bit", momentum=0.9, module=model)
     ddp.register_comm_hook(state, gradfuse.torch.comm_hook)
 
-It runs under ``torchrun`` alone (no MPI, no ``gradfuse.init()``): the exchange goes
-through ``torch.distributed`` on DDP's process group (``TorchCommunicator``). PyTorch
-Lightning: ``gradfuse.torch.lightning.GradfuseDDPStrategy`` (docs/torch.md).
+It needs no MPI and no ``gradfuse.init()``: the exchange goes through ``torch.distributed``
+on DDP's process group (``TorchCommunicator``), CPU buckets through gradfuse's CPU kernels,
+CUDA buckets through its CUDA kernels (``gradfuse.torch.device``). Launchers: torchrun,
+srun, mpiexec (``init_process_group``). Lightning: ``gradfuse.torch.lightning`` (the
+``lightning`` package) and ``gradfuse.torch.pytorch_lightning``; accelerate: a recipe in
+docs/torch.md.
 """
 from .comm import TorchCommunicator
 from .hook import CompressionState, comm_hook

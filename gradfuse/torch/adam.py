@@ -83,19 +83,38 @@ def configure(adam, compress, momentum, start_iter, opts):
     return options
 
 
-def before_step(state, pipe, buf):
-    """Before a bucket's step (the hook's thread): clip this rank's gradients, and from
-    ``freeze_iter`` on tell the bucket's pipeline to freeze (queued on its communication
+def clip(state, io):
+    """Clip this rank's gradients of one bucket (``gradfuse.torch.buckets.BucketIO``) to
+    ``[-clip, clip]``, where the step will read them: the bucket's buffer, or a bfloat16
+    bucket's float32 staging buffer (on the bucket's stream on a GPU)."""
+    c = state.adam.clip
+    if c is None:
+        return
+    if io._f32 is None:
+        io.buf.clamp_(-c, c)
+        return
+    with io._context():
+        xp = np if isinstance(io._f32, np.ndarray) else _cupy()
+        xp.clip(io._f32, -c, c, out=io._f32)
+
+
+def _cupy():
+    from ..gpu import cupy
+    return cupy()
+
+
+def freeze_if_due(state, pipe, iteration):
+    """Before a bucket's step of DDP iteration ``iteration`` (the hook's thread): from
+    ``freeze_iter`` on, tell the bucket's pipeline to freeze (queued on its communication
     thread, after the steps in flight, so every rank freezes at the same step)."""
     options = state.adam
-    if options.clip is not None:
-        buf.clamp_(-options.clip, options.clip)
-    if options.freeze_iter is not None:
-        rule = pipe.state.meta.setdefault("adam", {"calm": 0, "frozen_at": 0})
-        rule["manual"] = True                    # the iteration decides, not the adaptive rule
-        if state.iteration >= options.freeze_iter and not rule.get("requested"):
-            rule["requested"] = True
-            _runtime.context(state.comm).engine.submit(lambda: _freeze(pipe), "adam-freeze")
+    if options.freeze_iter is None:
+        return
+    rule = pipe.state.meta.setdefault("adam", {"calm": 0, "frozen_at": 0})
+    rule["manual"] = True                    # the iteration decides, not the adaptive rule
+    if iteration >= options.freeze_iter and not rule.get("requested"):
+        rule["requested"] = True
+        _runtime.context(state.comm).engine.submit(lambda: _freeze(pipe), "adam-freeze")
 
 
 def _freeze(pipe):
@@ -147,14 +166,15 @@ def _corrects(state):
 
 def harvest(state, key, pipe):
     """Keep the per-tensor moments of the pipeline of ``key`` = (warm, index, layout) (one
-    bucket: the DDP bucket's tensors in order) while its ``v`` is live, for ``carry``."""
+    bucket: the DDP bucket's tensors in order; host arrays) while its ``v`` is live, for
+    ``carry``."""
     sd = pipe.state.buckets
     if len(sd) != 1 or pipe.state.step == 0:      # nothing yet, or its first step still in flight
         return
     arrays = next(iter(sd.values())).arrays
     if _cadam.M not in arrays or int(arrays[_cadam.FREEZE][0]):
         return
-    m, v = np.asarray(arrays[_cadam.M]), np.asarray(arrays[_cadam.V])
+    m, v = (a if isinstance(a, np.ndarray) else a.get() for a in (arrays[_cadam.M], arrays[_cadam.V]))
     step, pos = int(arrays[_cadam.STEP][0]), 0
     names, shapes = key[2][0], key[2][1]
     for name, shape in zip(names, shapes):

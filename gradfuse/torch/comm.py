@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 
 from ..comm.base import Communicator
+from .device import all_gather_into
+from .launch import launcher_env
 
 _FMT16 = {1: torch.float16, 2: torch.bfloat16}
-# torch 2.13 renamed all_gather_into_tensor (and deprecated the old name)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _tensor(arr):
@@ -43,7 +43,7 @@ class _Gather:
         self.data = bytes(data)
         self.sizes = torch.zeros(comm.size, dtype=torch.int64)
         mine = torch.tensor([len(self.data)], dtype=torch.int64)
-        self.work = _all_gather(self.sizes, mine, group=comm.ctl, async_op=True)
+        self.work = all_gather_into(self.sizes, mine, comm.ctl, async_op=True)
         self.stage = 0
         self.out = None
 
@@ -58,7 +58,7 @@ class _Gather:
                 send[:len(self.data)] = torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
             self.out = torch.empty(width * self.comm.size, dtype=torch.uint8)
             self.width = width
-            self.work = _all_gather(self.out, send, group=self.comm.ctl, async_op=True)
+            self.work = all_gather_into(self.out, send, self.comm.ctl, async_op=True)
             return self.test()
         return True
 
@@ -92,7 +92,8 @@ class TorchCommunicator(Communicator):
     """
 
     kind = "torch"
-    devices = ("cpu",)          # CUDA tensors through DLPack are not wired (untested without a GPU)
+    # host buffers here; CUDA buffers through the communicator device_communicator makes
+    devices = ("cpu",)
 
     def __init__(self, process_group=None):
         if not dist.is_available() or not dist.is_initialized():
@@ -101,17 +102,30 @@ class TorchCommunicator(Communicator):
         self.group = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
+        self.backend = str(dist.get_backend(self.group))
         ranks = dist.get_process_group_ranks(self.group)
         self.ctl = dist.new_group(ranks=ranks, backend="gloo")
         self._global = ranks          # group rank -> global rank (point-to-point takes global ranks)
         # gloo's send/recv works say they are complete only once wait() returned, so they are
         # waited for on these threads and polled through a Future (one thread per peer)
         self._waiters = ThreadPoolExecutor(max(1, self.size - 1), thread_name_prefix="gradfuse-torch-ctl")
-        # torchrun's environment names the node layout; without it, one host is assumed
-        self.local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        self.local_size = int(os.environ.get("LOCAL_WORLD_SIZE", self.size))
+        # the launcher's environment names the node layout (torchrun, mpiexec, srun) for the
+        # world group; without one, or for a subgroup, one host is assumed
+        self.local_rank, self.local_size = self.rank, self.size
+        try:
+            found = launcher_env() if self.size == dist.get_world_size() else None
+        except ValueError:          # a launcher's variables that do not parse: the group's own layout
+            found = None
+        if found is not None and found[0] == dist.get_rank() and found[1] == self.size:
+            self.local_rank, self.local_size = found[2], found[3]
         self.cross_rank = self.rank // max(1, self.local_size)
         self.cross_size = max(1, self.size // max(1, self.local_size))
+
+    def device_communicator(self, device):
+        """The data plane for CUDA buffers on ``device`` (``gradfuse.torch.device``): NCCL
+        through torch when the group's backend is NCCL, else host-staged over this one."""
+        from . import device as _device
+        return _device.make(self, device)
 
     # --- data plane (the communication thread) ------------------------------------
     def allreduce_inplace(self, arr):
@@ -146,7 +160,7 @@ class TorchCommunicator(Communicator):
         return arr
 
     def allgather(self, src, dst):
-        _all_gather(_bytes(dst), _bytes(src), group=self.group)
+        all_gather_into(_bytes(dst), _bytes(src), self.group)
         return dst
 
     def alltoall(self, src, dst):

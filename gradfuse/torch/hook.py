@@ -5,11 +5,14 @@
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.0)   # the momentum is in state
 
 DDP hands the hook each ``GradBucket``: one flat, fused buffer of gradients. The hook cuts
-it into zero-copy numpy views along ``bucket.gradients()`` (so every tensor keeps its own
-1-bit scale and its own top-k / random-k selection), and runs one ``gradfuse.Pipeline``
-step on them over a ``TorchCommunicator`` on DDP's process group: the ranks agree on the
-bucket, error feedback and compression run in gradfuse's kernels, the payloads travel
-through ``torch.distributed``, and the averaged result is written back into the bucket.
+it into zero-copy views along ``bucket.gradients()`` (numpy on the host, cupy through
+DLPack on a GPU, a float32 staging buffer for bfloat16: ``gradfuse.torch.buckets``), so
+every tensor keeps its own 1-bit scale and its own top-k / random-k selection, and runs
+one ``gradfuse.Pipeline`` step on them over a ``TorchCommunicator`` on DDP's process
+group: the ranks agree on the bucket, error feedback and compression run in gradfuse's
+kernels (CPU or CUDA), the payloads travel through ``torch.distributed`` (CUDA buckets on
+the bucket's device: ``gradfuse.torch.device``), and the averaged result is written back
+into the bucket.
 No MPI and no ``gradfuse.init()`` are involved. The returned ``torch.futures.Future``
 completes when the step did (the step runs on gradfuse's communication thread, so the
 backward pass goes on meanwhile).
@@ -22,15 +25,14 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-import torch
-
 from ..pipeline import Pipeline
 from ..step.stats import Stats
 from . import adam as _adam
+from . import buckets as _buckets
+from . import checkpoint as _ckpt
+from . import regroup as _regroup
 from .comm import TorchCommunicator
 
-_NUMPY = {torch.float32: np.float32, torch.float16: np.float16, torch.float64: np.float64}
 _HUGE = 1 << 40        # one DDP bucket = one gradfuse bucket, never split, never reduced "direct"
 
 
@@ -73,7 +75,7 @@ class CompressionState:
 
     __slots__ = ("compress", "momentum", "start_iter", "comm", "iteration", "calls", "layout_changes",
                  "_opts", "_names", "_pipes", "_retired", "_warned", "_lock", "_finisher", "_plain",
-                 "last_error", "adam", "_carry")
+                 "last_error", "_regroup", "adam", "_carry", "_now")
 
     def __init__(self, compress="1bit", process_group=None, *, momentum=0.0, start_iter=0, module=None,
                  min_elements=0, nonfinite="raise", adam=None, **options):
@@ -86,6 +88,7 @@ class CompressionState:
             opts["momentum"] = self.momentum
         self.adam = _adam.configure(adam, compress, self.momentum, start_iter, opts)
         self._carry = {}              # with adam: tensor name -> its moments, carried over DDP's rebuild
+        self._now = 0                 # the DDP iteration of the bucket being handed to a pipeline
         # compress=None without momentum or Adam is DDP's own arithmetic: scale by 1/p, then the backend's sum
         self._plain = compress is None and not self.momentum and self.adam is None
         self._opts = opts
@@ -103,6 +106,7 @@ class CompressionState:
         # DDP re-raises a hook's error as a RuntimeError carrying its message; the original
         # (a NonFiniteError, a MismatchError, ...) stays here, for code that must tell them apart
         self.last_error = None
+        self._regroup = None          # a restarted DDP's first iteration on restored layouts
         self._lock = threading.Lock()
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="gradfuse-ddp-hook")
 
@@ -148,22 +152,32 @@ class CompressionState:
         return False
 
     def state_dict(self):
-        """This rank's residuals, velocities and step counters (restore with ``load_state_dict``)."""
+        """This rank's residuals, velocities and step counters (restore with ``load_state_dict``).
+
+        Returns:
+            A dict of CPU tensors and plain Python values (``gradfuse.torch.checkpoint``):
+            ``torch.save`` writes it and ``torch.load`` (``weights_only=True``) reads it back.
+
+        Example:
+            >>> torch.save(state.state_dict(), f"ckpt/hook-rank{dist.get_rank()}.pt")
+        """
         buckets = [{"warm": warm, "index": idx, "names": list(layout[0]),
-                    "shapes": [list(s) for s in layout[1]], "dtype": layout[2], "state": pipe.state_dict()}
+                    "shapes": [list(s) for s in layout[1]], "dtype": layout[2],
+                    "state": _ckpt.to_tensors(pipe.state_dict())}
                    for (warm, idx, layout), (pipe, _) in self._pipes.items()]
-        return {"format": "gradfuse-torch-1", "iteration": self.iteration, "calls": self.calls,
+        return {"format": _ckpt.FORMAT, "iteration": self.iteration, "calls": self.calls,
                 "world_size": self.comm.size, "buckets": buckets}
 
     def load_state_dict(self, sd):
-        """Restore a ``state_dict()`` of this rank, bit-exactly. Returns True if every
-        bucket's state was restored."""
-        if not isinstance(sd, dict) or sd.get("format") != "gradfuse-torch-1":
-            raise ValueError("not a gradfuse.torch CompressionState state_dict (format "
-                             f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r})")
+        """Restore a ``state_dict()`` of this rank, bit-exactly (``gradfuse-torch-1`` dicts
+        too; another format is refused by name). Returns True if every bucket's state was
+        restored."""
+        _ckpt.check_format(sd)
+        sd = _ckpt.to_numpy(sd)
         with self._lock:
             self.iteration, self.calls = int(sd["iteration"]), int(sd["calls"])
             self._retire(list(self._pipes))
+            self._regroup = None
             ok = True
             for b in sd["buckets"]:
                 layout = (tuple(b["names"]), tuple(tuple(s) for s in b["shapes"]), b["dtype"])
@@ -186,32 +200,6 @@ class CompressionState:
             for k, v in pipe.stats.as_dict().items():
                 setattr(self._retired, k, getattr(self._retired, k) + v)
 
-    def _views(self, bucket):
-        """Zero-copy numpy views of the bucket's tensors, their names and layout, the buffer."""
-        buf = bucket.buffer()
-        idx = bucket.index()
-        if buf.device.type != "cpu":
-            raise NotImplementedError(f"gradfuse.torch: bucket {idx} is on {buf.device}; only CPU tensors are "
-                                      f"supported (the CUDA path through DLPack is not written yet)")
-        if buf.dtype not in _NUMPY:
-            raise TypeError(f"gradfuse.torch: bucket {idx} holds {buf.dtype} gradients; gradfuse reduces "
-                            f"float32, float16 and float64 tensors")
-        flat = buf.detach().numpy()
-        grads = bucket.gradients()
-        params = bucket.parameters()
-        names, views, shapes, off = [], [], [], 0
-        for j, g in enumerate(grads):
-            n = g.numel()
-            name = self._names.get(id(params[j])) if j < len(params) else None
-            names.append(f"bucket{idx}.{name if name is not None else j}")
-            views.append(flat[off:off + n].reshape(tuple(g.shape)))
-            shapes.append(tuple(g.shape))
-            off += n
-        if off != flat.size:
-            raise ValueError(f"gradfuse.torch: bucket {idx}: its gradients hold {off} elements, its buffer "
-                             f"{flat.size}; the tensor boundaries cannot be read")
-        return buf, views, names, (tuple(names), tuple(shapes), str(flat.dtype))
-
     def _pipeline(self, warm, idx, layout):
         """The pipeline of this bucket index and layout; a new layout drops the old ones' state."""
         key = (warm, idx, layout)
@@ -229,32 +217,68 @@ class CompressionState:
             entry[1] = True
         return entry[0]
 
+    def _regrouped(self, warm, idx, io):
+        """The ``Regroup`` that takes this bucket (a restarted DDP's first buckets, whose
+        tensors a restored layout holds in DDP's rebuilt grouping), or None."""
+        rg = self._regroup
+        if rg is not None and not rg.done and rg.covers(io):
+            return rg
+        if rg is not None:
+            rg.flush(self._submit_group, io)      # no bucket's future may wait for tensors that never come
+        self._regroup = None
+        if not self._names or (warm, idx, io.layout) in self._pipes:
+            return None
+        restored = {k: k[2] for k, (_, used) in self._pipes.items() if not used and k[0] == warm}
+        rg = _regroup.Regroup(restored, self._finisher, self._failed) if restored else None
+        if rg is None or not rg.covers(io):
+            return None
+        self._regroup = rg
+        return rg
+
+    def _submit_group(self, key, layout, views, src):
+        """Start a regrouped step: ``views`` (laid out as ``layout``) on the pipeline of ``key``."""
+        pipe = self._pipeline(key[0], key[1], layout)
+        if self.adam is not None:
+            _adam.freeze_if_due(self, pipe, self._now)
+        return src.submit(pipe, views, layout[0])
+
+    def _failed(self, exc):
+        self.last_error = exc
+
     def reduce(self, bucket):
         """Start the averaged exchange of ``bucket``; a Future of its buffer."""
-        buf, views, names, layout = self._views(bucket)
         idx = bucket.index()
         warm = self.compress is not None and self.iteration < self.start_iter
         if self._plain:
             # DDP's own arithmetic without a hook: times 1/p (as a float32 scalar), then the sum
-            buf.mul_(1.0 / self.comm.size)
+            bucket.buffer().mul_(1.0 / self.comm.size)
+        io = _buckets.read(bucket, self._names)
+        if self.adam is not None:
+            _adam.clip(self, io)
         with self._lock:
-            pipe = self._pipeline(warm, idx, layout)
-            if self.adam is not None:
-                _adam.before_step(self, pipe, buf)
-            handle = pipe.allreduce_async(views, out=views, names=names)
             self.calls += 1
-            if bucket.is_last():
+            last = bucket.is_last()
+            self._now = self.iteration
+            if last:
                 self.iteration += 1
-        fut = torch.futures.Future()
+            rg = self._regrouped(warm, idx, io)
+            if rg is not None:
+                return rg.add(io, self._submit_group, last)
+            pipe = self._pipeline(warm, idx, io.layout)
+            if self.adam is not None:
+                _adam.freeze_if_due(self, pipe, self._now)
+            handle = io.submit(pipe)
+        fut = io.future()
 
         def finish():
             try:
                 handle.wait()
+                io.finish()
             except BaseException as exc:       # DDP re-raises it in backward's finalization
                 self.last_error = exc
                 fut.set_exception(exc)
             else:
-                fut.set_result(buf)
+                fut.set_result(io.buf)
         self._finisher.submit(finish)
         return fut
 

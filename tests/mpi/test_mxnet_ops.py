@@ -214,6 +214,34 @@ def test_allgather_different_first_dims(world):
     assert isinstance(exc, MismatchError) and "shape" in str(exc)
 
 
+@pytest.mark.parametrize("what", ["shape", "dtype", "grouped"])
+def test_allgather_errors_are_raised_at_the_call_on_every_rank(world, what):
+    """A disagreement (a dimension after the first, a dtype) raises at ``hvd.allgather``
+    itself, on every rank, as an MXNetError (Horovod's own test_horovod_allgather_error and
+    _type_error catch MXNetError or RuntimeError right at the call), naming the tensor and
+    both values; nothing surfaces later, and the next allgather works."""
+    r = world.rank
+    if what == "shape":
+        call = lambda: hvd.allgather(mx.nd.ones((17, 10 * (r + 1), 17)), name="agx.shape")   # noqa: E731
+        want = f"tensor 'agx.shape': shape: rank 0 sent ('*', 10, 17), rank 1 sent ('*', 20, 17)"
+    elif what == "dtype":
+        call = lambda: hvd.allgather(mx.nd.ones((17, 17), dtype="int32" if r % 2 == 0 else "float32"),  # noqa: E731
+                                     name="agx.dtype")
+        want = ("tensor 'agx.dtype': dtype: rank 0 sent 'int32', rank 1 sent 'float32'" if world.size == 2 else
+                "tensor 'agx.dtype': dtype: ranks 0, 2 sent 'int32', rank 1 sent 'float32'")
+    else:
+        call = lambda: hvd.grouped_allgather([mx.nd.ones((2,)), mx.nd.ones((1, 3 + r))], name="agx.g")  # noqa: E731
+        want = "tensor 'agx.g.1': shape: rank 0 sent ('*', 3), rank 1 sent ('*', 4)"
+    with pytest.raises(MXNetError) as info:
+        call()                                 # no wait: the call itself raises
+    assert isinstance(info.value, MismatchError), info.value
+    assert want in str(info.value), str(info.value)
+    mx.nd.waitall()                            # nothing left to surface at the next wait
+    out = hvd.allgather(mx.nd.full((1, 2), r), name=f"agx.after.{what}")
+    np.testing.assert_array_equal(out.asnumpy(), np.repeat(np.arange(world.size), 2).reshape(-1, 2))
+    mx.nd.waitall()
+
+
 def test_alltoall(world):
     n = world.size
     x = mx.nd.array(np.arange(n * 2 * 3).reshape(n * 2, 3) + 100 * world.rank)

@@ -15,6 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradfuse.torch as gt
+from gradfuse.torch.checkpoint import to_numpy
 
 LOSSY = ("1bit", "2bit", "topk", "randomk")
 
@@ -128,7 +129,7 @@ def check_state_dict_is_bit_exact(rank):
         train(ddp, opt, first)
         saved_params = [p.detach().clone() for p in m.parameters()]
         saved = copy.deepcopy(state.state_dict())
-        entries = [e for b in saved["buckets"] for e in b["state"]["buckets"].values()]
+        entries = [to_numpy(e) for b in saved["buckets"] for e in b["state"]["buckets"].values()]
         assert entries and all(np.any(e["velocity"] != 0) and np.any(e["residual"] != 0) for e in entries), \
             f"{c}: the saved state holds no velocity or residual"
         train(ddp, opt, second)
@@ -147,6 +148,8 @@ def _equal_states(x, y):
         return x.keys() == y.keys() and all(_equal_states(x[k], y[k]) for k in x)
     if isinstance(x, (list, tuple)):
         return len(x) == len(y) and all(_equal_states(a, b) for a, b in zip(x, y))
+    if isinstance(x, torch.Tensor):
+        x, y = x.numpy(), y.numpy()
     if isinstance(x, np.ndarray):
         return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
     return x == y
