@@ -146,6 +146,8 @@ def _equal_states(x, y):
         return x.keys() == y.keys() and all(_equal_states(x[k], y[k]) for k in x)
     if isinstance(x, (list, tuple)):
         return len(x) == len(y) and all(_equal_states(a, b) for a, b in zip(x, y))
+    if isinstance(x, torch.Tensor):
+        x, y = x.numpy(), y.numpy()
     if isinstance(x, np.ndarray):
         return x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes()
     return x == y
