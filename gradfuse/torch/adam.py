@@ -67,7 +67,7 @@ class AdamOptions:
                 f"'clip': {self.clip}}}")
 
 
-def configure(adam, compress, momentum, start_iter, opts):
+def configure(adam, momentum, start_iter, opts):
     """The ``AdamOptions`` of a ``CompressionState`` (None without ``adam``), its options
     added to the pipeline's ``opts``."""
     if adam is None:

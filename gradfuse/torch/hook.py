@@ -86,7 +86,7 @@ class CompressionState:
         opts = dict(options, min_elements=min_elements, nonfinite=nonfinite)
         if self.momentum:
             opts["momentum"] = self.momentum
-        self.adam = _adam.configure(adam, compress, self.momentum, start_iter, opts)
+        self.adam = _adam.configure(adam, self.momentum, start_iter, opts)
         self._carry = {}              # with adam: tensor name -> its moments, carried over DDP's rebuild
         self._now = 0                 # the DDP iteration of the bucket being handed to a pipeline
         # compress=None without momentum or Adam is DDP's own arithmetic: scale by 1/p, then the backend's sum
