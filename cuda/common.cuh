@@ -145,6 +145,94 @@ __device__ __forceinline__ float gf_q_c(const gf_q_block& bl, const float* e_in,
     return e_in ? __fadd_rn(g, e_in[bl.epos + k]) : g;
 }
 
+// c = g + e of element k of block bl (e_in NULL: g): 1-bit's value with error feedback.
+struct gf_q_feedback {
+    const float* e_in;
+    __device__ __forceinline__ float operator()(const gf_q_block& bl, gf_i64 k) const { return gf_q_c(bl, e_in, k); }
+};
+
+#define GF_OB_REGS 32
+
+// The 1-bit compress body (cuda/onebit.cu's geometry and order, documented there): one warp
+// per block; val(bl, k) is the value c of element k of block bl (gf_q_feedback: g + e; the
+// Adam correction's moment in cuda/adam.cu), read once per element, or twice for blocks
+// larger than 32 * GF_OB_REGS (the same bits: val is a pure function of memory it does
+// not write before the emit pass).
+template <class Src, class Val>
+__device__ __forceinline__ void gf_onebit_compress_body(const Src& src, gf_i64 nblocks, const Val& val,
+                                                        float* e_out, gf_i64 block,
+                                                        gf_u32* bits, float* scales, gf_u64* bad)
+{
+    const int lane = threadIdx.x & 31;
+    const gf_i64 b = (gf_i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+    if (b >= nblocks) return;                       // whole warp leaves together
+    const gf_q_block bl = src.at(b, block);
+    const gf_i64 count = bl.count;
+    const gf_i64 nw = (count + 31) >> 5;            // words of this block
+    const bool regs = nw <= GF_OB_REGS;
+    float r[GF_OB_REGS];
+
+    // 1) lane partial sums, canonical order: lane k, elements start + k + 32 i, i ascending
+    float acc = 0.0f;
+    if (regs) {
+#pragma unroll
+        for (int i = 0; i < GF_OB_REGS; i++) {
+            r[i] = 0.0f;
+            if (i < nw) {
+                gf_i64 k = (gf_i64)i * 32 + lane;
+                if (k < count) {
+                    r[i] = val(bl, k);
+                    acc = __fadd_rn(acc, gf_abs(r[i]));
+                }
+            }
+        }
+    } else {
+        for (gf_i64 i = 0; i < nw; i++) {
+            gf_i64 k = i * 32 + lane;
+            if (k < count) acc = __fadd_rn(acc, gf_abs(val(bl, k)));
+        }
+    }
+    // 2) tree 16, 8, 4, 2, 1: lane[i] = lane[i] + lane[i + off]
+#pragma unroll
+    for (int off = 16; off >= 1; off >>= 1)
+        acc = __fadd_rn(acc, __shfl_down_sync(GF_FULL, acc, off));
+    // 3) s = total / (float)count, broadcast from lane 0
+    float s = __fdiv_rn(__shfl_sync(GF_FULL, acc, 0), (float)count);
+    float ns = -s;
+
+    // 4) sign words (ballot: lane k -> bit k; lanes past count vote 0) and residuals
+    gf_u32* wb = bits + bl.wpos;
+    float* eo = e_out ? e_out + bl.epos : 0;
+    if (regs) {
+#pragma unroll
+        for (int i = 0; i < GF_OB_REGS; i++) {
+            if (i < nw) {
+                gf_i64 k = (gf_i64)i * 32 + lane;
+                bool in = k < count;
+                float x = r[i];
+                bool pos = in && x >= 0.0f;         // -0 -> 1, NaN -> 0
+                gf_u32 w = __ballot_sync(GF_FULL, pos);
+                if (lane == 0) wb[i] = w;
+                if (eo && in) eo[k] = __fsub_rn(x, pos ? s : ns);
+            }
+        }
+    } else {
+        for (gf_i64 i = 0; i < nw; i++) {
+            gf_i64 k = i * 32 + lane;
+            bool in = k < count;
+            float x = in ? val(bl, k) : 0.0f;
+            bool pos = in && x >= 0.0f;
+            gf_u32 w = __ballot_sync(GF_FULL, pos);
+            if (lane == 0) wb[i] = w;
+            if (eo && in) eo[k] = __fsub_rn(x, pos ? s : ns);
+        }
+    }
+    if (lane == 0) {
+        scales[b] = s;
+        if (gf_nonfinite(s)) atomicAdd(bad, 1ull);
+    }
+}
+
 // Divisor modes, chosen on the host (gradfuse/gpu/launch.py, divisor_mode) as _quant.h's
 // gf_q_divmode chooses: 0: divisor == 1.0, nothing; 1: x / f; 2: x * f, f then the exact
 // reciprocal of a power-of-two divisor (the same correctly rounded result).

@@ -27,85 +27,8 @@
 // ceil(count/32) do not exist.
 
 
-#define GF_OB_REGS 32
-
 // ------------------------------------------------------------------ compress
-// (gf_q_array, gf_q_table, gf_q_c, gf_abs, gf_nonfinite: common.cuh)
-
-template <class Src>
-__device__ __forceinline__ void gf_onebit_compress_body(const Src& src, gf_i64 nblocks, const float* e_in,
-                                                        float* e_out, gf_i64 block,
-                                                        gf_u32* bits, float* scales, gf_u64* bad)
-{
-    const int lane = threadIdx.x & 31;
-    const gf_i64 b = (gf_i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-    if (b >= nblocks) return;                       // whole warp leaves together
-    const gf_q_block bl = src.at(b, block);
-    const gf_i64 count = bl.count;
-    const gf_i64 nw = (count + 31) >> 5;            // words of this block
-    const bool regs = nw <= GF_OB_REGS;
-    float r[GF_OB_REGS];
-
-    // 1) lane partial sums, canonical order: lane k, elements start + k + 32 i, i ascending
-    float acc = 0.0f;
-    if (regs) {
-#pragma unroll
-        for (int i = 0; i < GF_OB_REGS; i++) {
-            r[i] = 0.0f;
-            if (i < nw) {
-                gf_i64 k = (gf_i64)i * 32 + lane;
-                if (k < count) {
-                    r[i] = gf_q_c(bl, e_in, k);
-                    acc = __fadd_rn(acc, gf_abs(r[i]));
-                }
-            }
-        }
-    } else {
-        for (gf_i64 i = 0; i < nw; i++) {
-            gf_i64 k = i * 32 + lane;
-            if (k < count) acc = __fadd_rn(acc, gf_abs(gf_q_c(bl, e_in, k)));
-        }
-    }
-    // 2) tree 16, 8, 4, 2, 1: lane[i] = lane[i] + lane[i + off]
-#pragma unroll
-    for (int off = 16; off >= 1; off >>= 1)
-        acc = __fadd_rn(acc, __shfl_down_sync(GF_FULL, acc, off));
-    // 3) s = total / (float)count, broadcast from lane 0
-    float s = __fdiv_rn(__shfl_sync(GF_FULL, acc, 0), (float)count);
-    float ns = -s;
-
-    // 4) sign words (ballot: lane k -> bit k; lanes past count vote 0) and residuals
-    gf_u32* wb = bits + bl.wpos;
-    float* eo = e_out ? e_out + bl.epos : 0;
-    if (regs) {
-#pragma unroll
-        for (int i = 0; i < GF_OB_REGS; i++) {
-            if (i < nw) {
-                gf_i64 k = (gf_i64)i * 32 + lane;
-                bool in = k < count;
-                float x = r[i];
-                bool pos = in && x >= 0.0f;         // -0 -> 1, NaN -> 0
-                gf_u32 w = __ballot_sync(GF_FULL, pos);
-                if (lane == 0) wb[i] = w;
-                if (eo && in) eo[k] = __fsub_rn(x, pos ? s : ns);
-            }
-        }
-    } else {
-        for (gf_i64 i = 0; i < nw; i++) {
-            gf_i64 k = i * 32 + lane;
-            bool in = k < count;
-            float x = in ? gf_q_c(bl, e_in, k) : 0.0f;
-            bool pos = in && x >= 0.0f;
-            gf_u32 w = __ballot_sync(GF_FULL, pos);
-            if (lane == 0) wb[i] = w;
-            if (eo && in) eo[k] = __fsub_rn(x, pos ? s : ns);
-        }
-    }
-    if (lane == 0) {
-        scales[b] = s;
-        if (gf_nonfinite(s)) atomicAdd(bad, 1ull);
-    }
-}
+// (gf_onebit_compress_body, gf_q_feedback, gf_q_array, gf_q_table: common.cuh)
 
 // e_in/e_out: both NULL (no error feedback) or both n long; they may be the same array
 // (in place: each element's e_in is read by the lane that later writes its e_out, before
@@ -117,7 +40,7 @@ extern "C" __global__ void gf_onebit_compress_array(const float* x, gf_i64 n, co
     gf_q_array<1> src;
     src.x = x;
     src.n = n;
-    gf_onebit_compress_body(src, (n + block - 1) / block, e_in, e_out, block, bits, scales, bad);
+    gf_onebit_compress_body(src, (n + block - 1) / block, gf_q_feedback{e_in}, e_out, block, bits, scales, bad);
 }
 
 extern "C" __global__ void gf_onebit_compress_table(const gf_i64* ptrs, const gf_i64* offsets,
@@ -130,7 +53,7 @@ extern "C" __global__ void gf_onebit_compress_table(const gf_i64* ptrs, const gf
     gf_q_table<1> src;
     src.ptrs = ptrs; src.offsets = offsets; src.counts = counts;
     src.bstart = bstart; src.wstart = wstart; src.lo = lo; src.hi = hi;
-    gf_onebit_compress_body(src, nblocks, e_in, e_out, block, bits, scales, bad);
+    gf_onebit_compress_body(src, nblocks, gf_q_feedback{e_in}, e_out, block, bits, scales, bad);
 }
 
 // ------------------------------------------------------------------ decompress-sum

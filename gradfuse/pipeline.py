@@ -36,6 +36,7 @@ import threading
 import numpy as np
 
 from . import config
+from .compressors import adam as _adam
 from .compressors import cost
 from .compressors import momentum as _momentum
 from .compressors.policy import LayerPolicy
@@ -131,6 +132,14 @@ class Pipeline:
             raise ValueError("uncompressed_if_faster=True cannot be combined with momentum (DGC's momentum "
                              "correction): a bucket switching to uncompressed would have to move its "
                              "residual into the velocity path, which gradfuse does not do")
+        self._adam = _adam.pipeline_adam(self._policy)
+        if self._adam is not None and self._uncompressed_if_faster:
+            raise ValueError("uncompressed_if_faster=True cannot be combined with the Adam correction (adam=...): a "
+                             "bucket switching to uncompressed would have to move its residual into Adam's moments, "
+                             "which gradfuse does not do")
+        if self._adam is not None and not self._average:
+            raise ValueError(f"the Adam correction (adam={self._adam.rule!r}) keeps the moments of the averaged "
+                             f"gradient: it needs average=True")
         self._pipeline_buckets = config.pipeline_buckets(pipeline_buckets)
         self._lock = threading.Lock()
         self._ctx = runtime.context(comm)
@@ -142,7 +151,7 @@ class Pipeline:
                                           self._state_options(), self.stats))
         self._cfg = StepConfig(self._ctx, self._policy, self._average, self.state, self.stats,
                                nonfinite, self._link, self._uncompressed_if_faster,
-                               Overlap() if self._pipeline_buckets else None)
+                               Overlap() if self._pipeline_buckets else None, self._adam)
 
     # Read-only: plans, agreement digests and residuals are built from these, so a
     # pipeline's configuration is fixed at construction (make a new Pipeline to change it).

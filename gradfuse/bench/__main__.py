@@ -1,7 +1,7 @@
 """Benchmarks: ratios measured side by side in one run (this machine is shared and noisy).
 
     python -m gradfuse.bench fusion                  # pack+unpack GB/s vs np.copyto
-    python -m gradfuse.bench compress                # compressor kernels vs numpy and copy bandwidth
+    python -m gradfuse.bench compress                # compressor kernels (and the Adam correction's passes) vs numpy and copy bandwidth
     mpiexec -n 2 python -m gradfuse.bench allreduce  # vs per-tensor mpi4py, naive fusion, Horovod
     mpiexec -n 2 python -m gradfuse.bench threshold  # gradfuse time per fusion threshold
     mpiexec -n 3 python -m gradfuse.bench collectives  # every compressor: time and bytes per rank
@@ -48,11 +48,12 @@ def main(argv=None):
         if s not in SETS:
             ap.error(f"unknown set {s!r}; choose from {', '.join(SETS)}")
     from .allreduce import bench_allreduce, bench_collectives, bench_threshold
-    from .kernels import bench_compress, bench_fusion
+    from .kernels import bench_adam, bench_compress, bench_fusion
     if args.what == "fusion":
         bench_fusion(args.rounds or 15)
     elif args.what == "compress":
         bench_compress(args.rounds or 7)
+        bench_adam(args.rounds or 7)
     elif args.what == "allreduce":
         bench_allreduce(args.rounds or 20, sets, with_horovod=not args.no_horovod)
     elif args.what == "collectives":

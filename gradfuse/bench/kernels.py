@@ -1,5 +1,6 @@
-"""Local kernel benchmarks: fusion pack/unpack and the compressor kernels, each beside
-``np.copyto`` of the same bytes and the plain numpy version of the same math."""
+"""Local kernel benchmarks: fusion pack/unpack, the compressor kernels and the Adam
+correction's passes, each beside ``np.copyto`` of the same bytes and the plain numpy
+version of the same math."""
 import numpy as np
 
 from .sets import GB, SETS, make_set, median_times, progress
@@ -169,3 +170,74 @@ def bench_compress(rounds, n=1 << 24):
           "same run; 1.00x means memory speed. numpy: the straightforward numpy version of the same math.")
 
 
+
+
+# --- the Adam correction -------------------------------------------------------------------
+def bench_adam(rounds):
+    """The Adam correction's passes over the ResNet-50 set as one bucket (193 tensors, 1-bit
+    blocks per tensor), each beside the memory-bandwidth limit of the bytes it must read and
+    write (np.copyto's GB/s in the same run): the fused moment + error feedback + 1-bit pass,
+    the same as two passes (moment, then 1-bit), the step after the exchange, plain Adam."""
+    from .. import _core
+    from ..compressors import BucketContext, create
+    from ..fusion.plan import aligned_empty
+    from .sets import resnet50_shapes
+    arrays = make_set(resnet50_shapes(), 1)
+    counts = np.array([a.size for a in arrays], np.int64)
+    n = int(counts.sum())
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+    ptrs = np.array([a.ctypes.data for a in arrays], np.int64)
+    k = len(arrays)
+    rng = np.random.default_rng(2)
+
+    def f32(scale=1.0):
+        a = aligned_empty(4 * n).view(np.float32)
+        a[:] = rng.standard_normal(n).astype(np.float32) * np.float32(scale)
+        return a
+    m, r, e_in, e_out, x, v = f32(0.1), np.abs(f32(10.0)), f32(0.01), f32(), f32(), f32() ** 2
+    mask = (rng.random(n) > 0.01).astype(np.uint8)
+    comp = create("1bit")
+    ctx = BucketContext(counts=tuple(counts.tolist()))
+    (wdt, nw), (sdt, ns) = comp.bucket_layout(ctx)
+    bits, scales = np.zeros(nw, np.uint32), np.zeros(ns, np.float32)
+    payload = 4 * nw + 4 * ns
+    b1, c1 = 0.9, float(np.float32(1) - np.float32(0.9))
+    copy_src, copy_dst = aligned_empty(4 * n), aligned_empty(4 * n)
+    copy_src[:] = 1
+    saved = [a.copy() for a in arrays]
+
+    def restore():
+        for a, s in zip(arrays, saved):
+            np.copyto(a, s)
+
+    methods = {
+        "fused": (lambda: _core.adam_onebit_compress(ptrs, offsets, counts, 0, k, m, r, b1, c1, e_in, e_out, 512,
+                                                      bits, scales), 4 * n * 5 + payload),
+        "two passes": (lambda: (_core.adam_moment(ptrs, offsets, counts, 0, k, m, r, b1, c1, x),
+                                comp.compress_table((np.array([x.ctypes.data + 4 * int(o) for o in offsets],
+                                                              np.int64), offsets, counts, 0, k),
+                                                    e_in, e_out, [bits, scales], ctx)), 4 * n * 7 + payload),
+        "apply": (lambda: _core.adam_apply(ptrs, offsets, counts, 0, k, x, mask, 0.5), 4 * n * 3 + n),
+        "plain": (lambda: _core.adam_plain(ptrs, offsets, counts, 0, k, x, v, b1, c1, 0.999, 0.001, 1.0, 1.0,
+                                           1e-8), 4 * n * 6),
+    }
+    timed = {name: fn for name, (fn, _) in methods.items()}
+    timed["copy"] = lambda: np.copyto(copy_dst, copy_src)
+    timed["restore"] = restore        # apply/plain overwrite the gradients: put them back each round
+    for fn in timed.values():
+        fn()
+    t = median_times(timed, rounds, progress=progress("compress adam"))
+    copy_bw = 2 * 4 * n / t["copy"]
+    print(f"\n### the Adam correction's passes, ResNet-50 set as one bucket ({k} tensors, {n / 1e6:.1f} M elements, "
+          f"{4 * n / 1e6:.0f} MB; {rounds} rounds, median)\n")
+    print("| pass | bytes read + written per element | time (ms) | GB/s of those bytes | "
+          "vs memory-bandwidth limit |")
+    print("|---|---:|---:|---:|---:|")
+    for name, (_, touched) in methods.items():
+        gbs = touched / t[name] / GB
+        print(f"| {name} | {touched / n:.2f} | {1e3 * t[name]:.1f} | {gbs:.2f} | {touched / t[name] / copy_bw:.2f}x |")
+    print(f"| np.copyto | 8.00 | {1e3 * t['copy']:.1f} | {copy_bw / GB:.2f} | 1.00x |")
+    print("\nfused: the moment b1 m + (c1 g) r, error feedback and 1-bit in one pass (reads g, m, r, e; writes e "
+          "and the payload); two passes: the moment into a work array, then 1-bit's own kernel; apply: after the "
+          "exchange, m and the step (reads the outputs and the mask, writes m and the outputs); plain: exact Adam "
+          "(reads g, m, v; writes m, v, the step). The limit: those bytes at np.copyto's speed in the same run.")

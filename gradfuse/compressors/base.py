@@ -142,6 +142,35 @@ def array_module(ctx):
     return gpu.cupy()
 
 
+ADAM_RULES = ("adam", "adamw")
+
+
+def _adam_options(name, adam, betas, eps, momentum):
+    """``(adam, betas, eps)`` checked: the rule or None, ``(beta1, beta2)``, epsilon."""
+    if adam is None:
+        if betas is not None or eps is not None:
+            raise ValueError(f"compressor {name!r}: options 'betas' and 'eps' belong to the Adam correction; "
+                             f"give adam='adam' or adam='adamw' too (got betas={betas!r}, eps={eps!r})")
+        return None, None, None
+    if adam not in ADAM_RULES:
+        raise ValueError(f"compressor {name!r}: option 'adam' must be one of {', '.join(map(repr, ADAM_RULES))} "
+                         f"or None, got {adam!r}")
+    if momentum:
+        raise ValueError(f"compressor {name!r}: options 'adam' and 'momentum' exclude each other (Adam keeps "
+                         f"its first moment instead of a velocity), got adam={adam!r}, momentum={momentum!r}")
+    betas = (0.9, 0.999) if betas is None else betas
+    ok = isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+        not isinstance(b, (bool, np.bool_)) and isinstance(b, (int, float, np.integer, np.floating))
+        and 0 <= b < 1 for b in betas)
+    if not ok:
+        raise ValueError(f"compressor {name!r}: option 'betas' must be two numbers in [0, 1), got {betas!r}")
+    eps = 1e-8 if eps is None else eps
+    if (isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (int, float, np.integer, np.floating))
+            or not 0 <= eps < float("inf")):
+        raise ValueError(f"compressor {name!r}: option 'eps' must be a finite number >= 0, got {eps!r}")
+    return adam, (float(betas[0]), float(betas[1])), float(eps)
+
+
 #: the largest block size the kernels take (their block argument is a C int), a multiple of 32
 MAX_BLOCK = 2**31 - 32
 #: step counts (``warmup_steps``, ``sparsity_warmup``) compare with the step counter, an int64
@@ -175,11 +204,21 @@ class Compressor(ABC):
         sparsity_warmup: top-k / random-k only: over the first N compressed steps the ratio
             ramps down exponentially, 25%, 6.25%, 1.5625%, ... (each stage 4x sparser, equal
             stages) to ``ratio`` (DGC's warm-up). 0, the default, is off.
+        adam: the Adam correction (``gradfuse.compressors.adam``): ``"adam"`` (MXNet's
+            Adam: its bias correction in the step size, epsilon added to the uncorrected
+            ``sqrt(v)``) or ``"adamw"`` (``torch.optim.AdamW``'s). Each rank's first moment
+            is kept in the compressor state and error feedback runs on it; the second moment
+            is updated exactly during a warm-up and then frozen. The pipeline's results are
+            then the preconditioned steps (the optimizer must apply them as they are, without
+            Adam). ``warmup_steps`` is the freeze point (DeepSpeed's ``freeze_step``); 0, the
+            default, freezes by the adaptive rule. None, the default, is off.
+        betas: with ``adam``: the moments' decay rates ``(beta1, beta2)``, default (0.9, 0.999).
+        eps: with ``adam``: epsilon, default 1e-8.
         **options: the compressor's own options (see ``OPTIONS``).
 
-    ``momentum`` and ``sparsity_warmup`` appear in ``get_config()`` only when set, so the
-    config (and the plan digests, residual keys and checkpoints) of a compressor without
-    them is what it was before they existed.
+    ``momentum``, ``adam`` and ``sparsity_warmup`` appear in ``get_config()`` only when set,
+    so the config (and the plan digests, residual keys and checkpoints) of a compressor
+    without them is what it was before they existed.
     """
 
     name = "abstract"
@@ -195,17 +234,23 @@ class Compressor(ABC):
     AUTO = ()
     ALGORITHM_NAMES = {}
     error_feedback_default = False
+    #: whether the trainers turn an optimizer correction (DGC's momentum correction for SGD,
+    #: the Adam correction for Adam and AdamW) on by default for this compressor when it is
+    #: lossy and keeps error feedback (``corrects_by_default``); a compressor whose own
+    #: algorithm rules the correction out sets it False
+    optimizer_correction = True
     OPTIONS = {}                # option name -> default value
 
     def __init__(self, error_feedback=None, warmup_steps=0, momentum=0.0, nesterov=False,
-                 momentum_masking=None, sparsity_warmup=0, **options):
+                 momentum_masking=None, sparsity_warmup=0, adam=None, betas=None, eps=None, **options):
         sparse = "ratio" in self.OPTIONS
         unknown = sorted(set(options) - set(self.OPTIONS))
         if unknown:
             common = ["error_feedback", "warmup_steps", "momentum", "nesterov", "momentum_masking"]
             valid = ", ".join(sorted(list(self.OPTIONS) + common + (["sparsity_warmup"] if sparse else [])))
             raise TypeError(f"compressor {self.name!r}: unknown option(s) {', '.join(unknown)}; "
-                            f"valid options: {valid}")
+                            f"valid options: {valid}; "
+                            f"with the Adam correction: adam, betas, eps")
         self.options = {k: options.get(k, v) for k, v in self.OPTIONS.items()}
         self.error_feedback = (self.error_feedback_default if error_feedback is None
                                else _check_bool("error_feedback", error_feedback, self.name))
@@ -243,6 +288,7 @@ class Compressor(ABC):
             raise ValueError(f"compressor {self.name!r}: option 'sparsity_warmup' ramps the 'ratio' of top-k "
                              f"and random-k, and {self.name!r} has no ratio (got sparsity_warmup={sparsity_warmup})")
         self.sparsity_warmup = int(sparsity_warmup)
+        self.adam, self.betas, self.eps = _adam_options(self.name, adam, betas, eps, self.momentum)
         try:
             self.validate()
         except (TypeError, ValueError) as e:
@@ -250,6 +296,12 @@ class Compressor(ABC):
             if str(e).startswith(f"compressor {self.name!r}"):
                 raise
             raise type(e)(f"compressor {self.name!r}: {e}") from None
+
+    @property
+    def corrects_by_default(self):
+        """Whether the trainers turn an optimizer correction on by default for this
+        compressor: lossy, with error feedback, and ``optimizer_correction``."""
+        return bool(self.optimizer_correction and not self.lossless and self.error_feedback)
 
     def validate(self):
         """Check ``self.options``; raise ValueError/TypeError naming the option."""
@@ -266,6 +318,8 @@ class Compressor(ABC):
             cfg["momentum_masking"] = self.momentum_masking
         if self.sparsity_warmup:
             cfg["sparsity_warmup"] = self.sparsity_warmup
+        if self.adam:
+            cfg.update(adam=self.adam, betas=list(self.betas), eps=self.eps)
         return cfg
 
     def __repr__(self):
@@ -330,6 +384,13 @@ class Compressor(ABC):
         """Fused decode-sum-divide into the tensors; False if not provided."""
         return False
 
+    def compress_moment_table(self, table, moment, e_in, e_out, payloads, ctx):
+        """The Adam correction's moment update fused into ``compress_table``: compress
+        ``c = (b1 m + (c1 g) r) + e`` with ``moment = (m, r, b1, c1)`` (``m``, ``r`` indexed by
+        bucket position), the bits of ``adam_moment`` followed by ``compress_table``; None if
+        not provided (the pipeline then runs the moment pass first)."""
+        return None
+
     def settle(self, c, p):
         """None (the default), or a bound on the residuals the fused kernels write when
         every value they compress (c = g + e) has ``|c|`` <= ``c`` on each of ``p`` ranks,
@@ -349,13 +410,14 @@ class NoneCompressor(Compressor):
     name = "none"
     lossless = True
 
-    def __init__(self, momentum=0.0, nesterov=False, **options):
+    def __init__(self, momentum=0.0, nesterov=False, adam=None, betas=None, eps=None, **options):
         # momentum: the velocity of DGC's correction on uncompressed tensors too
-        # (gradfuse.compressors.momentum), e.g. Pipeline(compress=None, momentum=0.9)
+        # (gradfuse.compressors.momentum), e.g. Pipeline(compress=None, momentum=0.9); adam:
+        # plain Adam on the averaged gradients (gradfuse.compressors.adam)
         if options:
             raise TypeError(f"compressor 'none' takes no options (but momentum and nesterov), got "
-                            f"{', '.join(sorted(options))}")
-        super().__init__(momentum=momentum, nesterov=nesterov)
+                            f"{', '.join(sorted(options))} (the Adam correction's adam, betas and eps are taken too)")
+        super().__init__(momentum=momentum, nesterov=nesterov, adam=adam, betas=betas, eps=eps)
 
     def compress(self, c, payloads, ctx):
         payloads[0][...] = c

@@ -166,6 +166,14 @@ class OneBit(Compressor):
                                     src, off, cnt, lo, hi, 1.0)
         return bad
 
+    def compress_moment_table(self, table, moment, e_in, e_out, payloads, ctx):
+        """The Adam correction's moment update, error feedback and 1-bit compression in one
+        pass (``adam_onebit_compress``)."""
+        src, off, cnt, lo, hi = table
+        m, r, b1, c1 = moment
+        return kernels(ctx).adam_onebit_compress(src, off, cnt, lo, hi, m, r, b1, c1, e_in, e_out, self.block,
+                                                 payloads[0], payloads[1])
+
     def decompress_sum_table(self, rows, table, divisor, ctx):
         dst, off, cnt, lo, hi = table
         kernels(ctx).onebit_decompress_sum(rows[0], rows[1], self.block, dst, off, cnt, lo, hi, divisor)

@@ -14,11 +14,19 @@ again at ``commit``/``release``; a pipelined step's early groups keep theirs (``
 buffered the same way, and a pending factor ``velocity_scale`` that the next velocity
 update folds into the momentum (``CompressionState.scale_velocity``).
 
+**Named arrays.** An optimizer correction keeps further per-bucket state as named arrays
+(``BucketState.arrays``, ``array(name, n, dtype)``): the Adam correction's first and second
+moments, its step counter, freeze step and mask (``gradfuse.compressors.adam``). They are
+saved, restored and moved between devices with the bucket, by name, whatever they hold:
+int64 arrays (counters) live in host memory, the others where the bucket's buffers do.
+Pipeline-wide scalars of a correction (JSON-able) live in ``CompressionState.meta``. Both
+are written only after a step's verdict, so a refused step leaves them as they were.
+
 ``state_dict()`` holds plain numpy arrays and JSON-able values; restoring it is bit-exact.
 A state saved with another world size or compressor config is reset with a warning; a
 residual is only ever applied to the bucket it was saved for; when the first compressed
 step after a restore finds none of its own, a warning says the layout changed. States
-saved before velocities existed load with none (a pipeline without momentum has none).
+saved before velocities (or named arrays) existed load with none.
 """
 import json
 import warnings
@@ -38,7 +46,7 @@ class BucketState:
     """
 
     __slots__ = ("n", "cur", "nxt", "server_cur", "server_nxt", "vel_cur", "vel_nxt", "vscale",
-                 "algorithm", "device", "bk", "tables", "single", "bound", "pinned")
+                 "algorithm", "device", "bk", "tables", "single", "bound", "pinned", "arrays")
 
     def __init__(self, n, server_n, algorithm, bk, velocity=0, single=False):
         self.bk = bk
@@ -53,6 +61,7 @@ class BucketState:
         # restored residuals, then grown step by step by the compressor's ``settle``; inf: unknown
         self.bound = 0.0
         self.pinned = False      # single, but keeps its spare across steps (``pin``)
+        self.arrays = {}         # name -> an optimizer correction's array (module docstring)
         self.ensure(n, server_n, velocity)
 
     def ensure(self, n, server_n, velocity):
@@ -125,6 +134,16 @@ class BucketState:
         self.bound = 0.0
         self.release()
 
+    def array(self, name, n, dtype=np.float32):
+        """The named array ``name`` of ``n`` elements of ``dtype``, made (zeros) when it does
+        not exist or has another size or dtype: int64 in host memory, the others in the
+        bucket's backend."""
+        a = self.arrays.get(name)
+        dtype = np.dtype(dtype)
+        if a is None or a.size != n or a.dtype != dtype:
+            a = self.arrays[name] = np.zeros(n, dtype) if dtype == np.int64 else self.bk.zeros(n, dtype)
+        return a
+
     def commit_velocity(self):
         """The step's velocity becomes current (an uncompressed bucket: residuals untouched)."""
         if self.vel_cur.size:
@@ -150,6 +169,14 @@ class BucketState:
                 self.vscale = float(saved.get("velocity_scale", 1.0))
             else:
                 ok = False
+        for name, a in (saved.get("arrays") or {}).items():
+            a = np.asarray(a)
+            if a.dtype == np.int64:
+                self.arrays[name] = a.copy()
+            else:
+                self.arrays[name] = dev = bk.zeros(a.size, a.dtype)
+                if a.size:
+                    bk.upload(dev, a.reshape(-1))
         return ok
 
     def saved(self):
@@ -160,6 +187,9 @@ class BucketState:
         if self.vel_cur.size:
             entry["velocity"] = host(self.vel_cur)
             entry["velocity_scale"] = self.vscale
+        if self.arrays:
+            entry["arrays"] = {k: (a.copy() if isinstance(a, np.ndarray) else host(a))
+                               for k, a in self.arrays.items()}
         return entry
 
 
@@ -170,6 +200,8 @@ class CompressionState:
         self.step = 0                 # compressed-or-warm-up steps completed
         self.buckets = {}             # (digest hex, bucket index) -> BucketState
         self.pending = {}             # restored, not yet claimed by a plan
+        self.meta = {}                # an optimizer correction's pipeline-wide scalars (JSON-able)
+        self.seeds = {}               # bucket index -> a saved entry for a new bucket of that index (``seed``)
         self._fresh_restore = False   # no compressed step since the last restore
         self._claimed_any = False
 
@@ -195,6 +227,9 @@ class CompressionState:
             saved = self.pending.pop(key, None)
             if saved is not None:
                 self._claimed_any = True
+            else:
+                saved = self.seeds.pop(key[1], None)
+            if saved is not None:
                 if not st.upload(saved):
                     warnings.warn(f"gradfuse: checkpointed state of bucket {key[1]} has a different size; "
                                   f"starting the parts that differ from zero", RuntimeWarning, stacklevel=3)
@@ -221,6 +256,12 @@ class CompressionState:
         self._claimed_any = True
         return (bk.xp.array(saved["residual"], dtype=np.float32),
                 bk.xp.array(saved["server_residual"], dtype=np.float32))
+
+    def seed(self, index, entry):
+        """Start the next new bucket of index ``index`` (of any plan, without a restored state of
+        its own) from ``entry`` (a ``state_dict()`` bucket entry): a binding that carries an
+        optimizer correction's arrays over to a new bucket layout (the DDP hook's rebuild)."""
+        self.seeds[int(index)] = entry
 
     def scale_velocity(self, factor):
         """Multiply every velocity by ``factor`` at its bucket's next velocity update (folded
@@ -264,8 +305,11 @@ class CompressionState:
             buckets[f"{digest}/{b}"] = st.saved()
         for (digest, b), saved in self.pending.items():
             buckets.setdefault(f"{digest}/{b}", saved)
-        return {"format": FORMAT, "compressor": config, "world_size": world_size, "rank": rank,
-                "step": self.step, "buckets": buckets}
+        sd = {"format": FORMAT, "compressor": config, "world_size": world_size, "rank": rank,
+              "step": self.step, "buckets": buckets}
+        if self.meta:
+            sd["meta"] = json.loads(json.dumps(self.meta))
+        return sd
 
     def load_state_dict(self, sd, config, world_size, rank):
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
@@ -277,6 +321,7 @@ class CompressionState:
             problem = f"it was saved with compressor {sd['compressor']} and this pipeline has {config}"
         self.buckets.clear()
         self.pending.clear()
+        self.meta = {}
         if problem:
             warnings.warn(f"gradfuse: compressor state reset: {problem}", RuntimeWarning, stacklevel=3)
             self.step = 0
@@ -285,6 +330,7 @@ class CompressionState:
             warnings.warn(f"gradfuse: loading rank {sd.get('rank')}'s compressor state on rank {rank}; "
                           f"each rank should load its own file", RuntimeWarning, stacklevel=3)
         self.step = int(sd["step"])
+        self.meta = json.loads(json.dumps(sd.get("meta") or {}))
         self._fresh_restore, self._claimed_any = True, False
         for key, saved in sd["buckets"].items():
             digest, b = key.rsplit("/", 1)
@@ -294,6 +340,8 @@ class CompressionState:
             if saved.get("velocity") is not None:
                 entry["velocity"] = np.asarray(saved["velocity"], np.float32).copy()
                 entry["velocity_scale"] = float(saved.get("velocity_scale", 1.0))
+            if saved.get("arrays"):
+                entry["arrays"] = {k: np.array(a, copy=True) for k, a in saved["arrays"].items()}
             self.pending[(digest, int(b))] = entry
         return True
 
@@ -310,13 +358,18 @@ def save_npz(sd, path):
         if b.get("velocity") is not None:
             arrays[f"v{i}"] = b["velocity"]
             m["velocity_scale"] = float(b.get("velocity_scale", 1.0))
+        if b.get("arrays"):
+            m["arrays"] = sorted(b["arrays"])
+            for name, a in b["arrays"].items():
+                arrays[f"a{i}/{name}"] = a
         meta["buckets"][key] = m
     with open(path, "wb") as f:
         np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
 
 
 def load_npz(path):
-    """The ``state_dict()`` that ``save_npz`` wrote to ``path`` (files without velocities too)."""
+    """The ``state_dict()`` that ``save_npz`` wrote to ``path`` (files without velocities or
+    named arrays too)."""
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(z["meta"].tobytes().decode())
         buckets = {}
@@ -326,5 +379,7 @@ def load_npz(path):
             if f"v{b['i']}" in z.files:
                 buckets[key]["velocity"] = z[f"v{b['i']}"]
                 buckets[key]["velocity_scale"] = float(b.get("velocity_scale", 1.0))
+            if b.get("arrays"):
+                buckets[key]["arrays"] = {name: z[f"a{b['i']}/{name}"] for name in b["arrays"]}
     meta["buckets"] = buckets
     return meta

@@ -84,6 +84,7 @@ FAMILIES = {
                "gf_sp_pass1", "gf_sp_hist", "gf_sp_select", "gf_sp_count", "gf_sp_scan", "gf_sp_write",
                "gf_sp_take", "gf_sp_rk_draw", "gf_sp_pick"),
     "momentum": ("gf_momentum_update", "gf_momentum_mask"),
+    "adam": ("gf_adam_moment", "gf_adam_onebit_compress_table", "gf_adam_apply", "gf_adam_plain"),
 }
 
 _cp = None

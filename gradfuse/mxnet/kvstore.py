@@ -5,6 +5,7 @@ import sys
 import mxnet as mx
 
 from .. import collectives as _coll
+from ..compressors.adam import pipeline_adam
 from ..compressors.momentum import pipeline_momentum
 from ..compressors.policy import is_policy, rename
 from ..pipeline import Pipeline
@@ -71,6 +72,17 @@ class KVStore(mx.kvstore.KVStoreBase):
     Trainer's optimizer ``momentum=0``: a Trainer whose optimizer still has momentum is
     refused at its first step (momentum applied twice diverges). The optimizer's wd,
     clipping and rescaling then act on the velocity sum (docs/mxnet.md).
+
+    The Adam correction likewise: ``KVStore(compress='1bit', adam='adamw')`` (options
+    ``betas``, ``eps``, ``warmup_steps``, as a compressor's; ``average`` is then on: Adam's
+    moments are of the mean gradient). The store keeps Adam's moments and its results are
+    Adam's steps; give the Trainer ``'sgd'`` (momentum 0): its learning rate, scheduler,
+    ``lr_mult`` and weight decay apply the steps (the decay decoupled, AdamW's). The
+    optimizer's ``rescale_grad`` is applied to the gradients before the moments and taken
+    out of the steps again. A Trainer whose optimizer would apply Adam a second time (one
+    with betas), that has momentum or ``clip_gradient`` (it would clip the steps), or that
+    has weight decay with ``adam='adam'`` (MXNet's Adam couples it into the gradient, and the
+    store does not see the weights), is refused at its first step.
     """
 
     def __init__(self, compress=None, process_set=global_process_set, average=False,
@@ -85,12 +97,15 @@ class KVStore(mx.kvstore.KVStoreBase):
         self._fusion_threshold = fusion_threshold
         self._average = bool(average)
         self._update_on_kvstore = update_on_kvstore
+        if self._options.get("adam") is not None:
+            self._average = True         # Adam's moments are of the mean gradient
         self._pipeline = None
         self._seq = None            # the learned key sequence of one pass
         self._learning = []
         self._pending = []          # (key, arrays, outs) deferred in this pass
         self._trainer_checked = False
         self._velocity = False      # the pipeline runs DGC's momentum correction
+        self._adam_opt = None       # with the Adam correction: the caller's optimizer (its rescale_grad)
         self._store = {}            # key -> the store's value (rank 0's at init/broadcast)
         self._updater = None        # with set_optimizer: the optimizer's updater
 
@@ -149,6 +164,8 @@ class KVStore(mx.kvstore.KVStoreBase):
         params = dict(compression_params or {})
         self._compress = params.pop("type", None)
         self._options = params
+        if params.get("adam") is not None:
+            self._average = True
 
     @property
     def pipeline(self):
@@ -247,8 +264,31 @@ class KVStore(mx.kvstore.KVStoreBase):
                              f"{type(opt).__name__.lower()} has momentum={m} too: momentum applied twice "
                              f"diverges. Give the optimizer momentum=0 (the store keeps the velocity), or drop "
                              f"the store's momentum option")
+        adam = pipeline_adam(self.pipeline.policy)
+        if adam is not None:
+            self._check_adam(adam, kind, opt)
         self._trainer_checked = True
-        self._velocity = bool(vel)
+        self._velocity = bool(vel) or adam is not None
+
+    def _check_adam(self, adam, kind, opt):
+        """Refuse an optimizer that would apply Adam again, clip or decay where the store's
+        Adam cannot (class docstring); keep it for its ``rescale_grad``."""
+        who = (f"dist_gradfuse: the KVStore applies Adam (adam={adam.rule!r}, compressor "
+               f"{self.pipeline.compressor.name!r}), and the {kind.capitalize()}'s optimizer {type(opt).__name__.lower()}")
+        if hasattr(opt, "beta1") or hasattr(opt, "beta2"):
+            raise ValueError(f"{who} would apply Adam a second time: give it 'sgd' (momentum 0), whose learning rate, "
+                             f"scheduler and weight decay then apply the store's steps, or drop the store's adam option")
+        if getattr(opt, "momentum", 0.0):
+            raise ValueError(f"{who} has momentum={opt.momentum}: give it momentum=0 (Adam's first moment is the "
+                             f"store's)")
+        if getattr(opt, "clip_gradient", None):
+            raise ValueError(f"{who} has clip_gradient={opt.clip_gradient}, which would clip Adam's steps; clip in "
+                             f"DistributedTrainer instead, which clips the gradients before the moments")
+        if adam.rule == "adam" and getattr(opt, "wd", 0.0):
+            raise ValueError(f"{who} has wd={opt.wd}: MXNet's Adam couples the decay into the gradient, and the store "
+                             f"does not see the weights; use adam='adamw' (the optimizer's decay then stays "
+                             f"decoupled, AdamW's) or DistributedTrainer")
+        self._adam_opt = opt
 
     def _flush(self):
         pending, self._pending = self._pending, []
@@ -282,9 +322,17 @@ class KVStore(mx.kvstore.KVStoreBase):
                 src += extra.as_in_context(src.context)
             srcs.append(src)
             names.append(f"kv.{k}")
+        # the Adam correction: the caller's rescale_grad before the moments, out of the steps after
+        r = float(getattr(self._adam_opt, "rescale_grad", 1.0) or 1.0)
+        if r != 1.0:
+            for src in srcs:
+                src *= r
         with _span("pushpull", names[0]):
             if handoff.reduce_group(self.pipeline, srcs, names) is None:
                 self._reduce_blocking(srcs, names)
+        if r != 1.0:
+            for src in srcs:
+                src /= r
         for (k, vs, outs), src in zip(entries, srcs):
             if self._updater is not None:
                 if k not in self._store:

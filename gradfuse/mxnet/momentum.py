@@ -28,49 +28,34 @@ import contextlib
 
 import mxnet as mx
 
-from ..compressors.policy import LayerPolicy
+from . import adam as _adam
 
 SUPPORTED = {mx.optimizer.SGD: False, mx.optimizer.NAG: True}      # class -> Nesterov
 _NEUTRAL = {"momentum": 0.0, "wd": 0.0, "clip_gradient": None, "rescale_grad": 1.0}
 _OWN = ("momentum", "nesterov", "momentum_masking")
 
 
-def _lossy_with_feedback(compress, options):
-    """Whether ``compress`` (a name, instance, config or layer policy) has a lossy compressor
-    that keeps error feedback: where the correction is on by default."""
-    policy = LayerPolicy.create(compress, 0, **options)
-    return any(not c.lossless and c.error_feedback for c in policy.compressors[1:])
+def setup(optimizer, compress, options, requested, who, adam_requested=None):
+    """``(compress, options, Correction or AdamCorrection or None)`` for a trainer of ``optimizer``.
 
-
-def _with_momentum(compress, options, m, nesterov):
-    """``compress`` and ``options`` with the momentum given to every lossy compressor (a
-    layer policy's patterns each get it; ``None`` patterns take the pipeline's velocity)."""
-    extra = {"momentum": m, "nesterov": nesterov}
-    if isinstance(compress, dict) and not isinstance(compress.get("name"), str):
-        policy = {}
-        for pattern, spec in compress.items():
-            if spec is None or spec == "none":
-                policy[pattern] = spec
-            elif isinstance(spec, dict):
-                policy[pattern] = {**spec, **extra}
-            elif isinstance(spec, str):
-                policy[pattern] = {"name": spec, **extra}
-            else:
-                raise TypeError(f"momentum correction: layer policy pattern {pattern!r} is a compressor "
-                                f"instance; give a name or a config dict so the momentum can be added")
-        return policy, dict(options)
-    if compress is None or isinstance(compress, (str, dict)):
-        return (compress if compress is not None else "none"), {**options, **extra}
-    raise TypeError("momentum correction: compress= is a compressor instance; give its name or "
-                    "get_config() dict so the trainer can add the optimizer's momentum to it")
-
-
-def setup(optimizer, compress, options, requested, who):
-    """``(compress, options, Correction or None)`` for a trainer of ``optimizer``.
-
-    ``requested``: None (on for SGD and NAG with momentum > 0 and a lossy compressor that
-    keeps error feedback), True (on; other optimizers or no momentum are an error) or False.
+    ``requested`` (``momentum_correction``): None (on for SGD and NAG with momentum > 0 and a
+    lossy compressor that takes a correction by default, ``corrects_by_default``: one that
+    keeps error feedback), True (on; other optimizers or no momentum are an error) or False
+    (off, the Adam correction too). Adam and AdamW get the Adam correction by the same
+    default rule (``gradfuse.mxnet.adam``); ``adam_requested`` (``adam_correction``): True
+    forces it, False turns it off.
     """
+    if type(optimizer) in _adam.RULES:
+        if requested is True:
+            raise ValueError(f"{who}: momentum_correction=True needs an SGD or NAG optimizer (DGC's momentum "
+                             f"correction moves their momentum into the compressor state); got "
+                             f"{type(optimizer).__name__.lower()}, whose correction is the Adam correction: on "
+                             f"by default with a lossy compressor that keeps error feedback, adam_correction=True "
+                             f"forces it")
+        return _adam.setup(optimizer, compress, options, False if requested is False else adam_requested, who)
+    if adam_requested:
+        raise ValueError(f"{who}: adam_correction=True needs an adam or adamw optimizer; got "
+                         f"{type(optimizer).__name__.lower()}")
     own = sorted(set(options) & set(_OWN))
     if own:
         raise TypeError(f"{who}: option(s) {', '.join(own)} come from the optimizer "
@@ -82,7 +67,7 @@ def setup(optimizer, compress, options, requested, who):
     kind = type(optimizer)
     m = float(getattr(optimizer, "momentum", 0.0) or 0.0)
     if requested is None:
-        if kind not in SUPPORTED or m <= 0 or not _lossy_with_feedback(compress, options):
+        if kind not in SUPPORTED or m <= 0 or not _adam.corrected_by_default(compress, options):
             return compress, options, None
     elif requested is False:
         return compress, options, None
@@ -95,7 +80,8 @@ def setup(optimizer, compress, options, requested, who):
         raise ValueError(f"{who}: momentum_correction=True needs an optimizer with momentum > 0; "
                          f"{kind.__name__.lower()} has momentum={m}")
     nesterov = SUPPORTED[kind]
-    compress, options = _with_momentum(compress, options, m, nesterov)
+    compress, options = _adam.with_options(compress, options, {"momentum": m, "nesterov": nesterov},
+                                           "momentum correction")
     return compress, options, Correction(m, nesterov)
 
 

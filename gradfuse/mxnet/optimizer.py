@@ -1,6 +1,7 @@
 """Distributed training: ``DistributedOptimizer`` (wraps an MXNet optimizer) and
 ``DistributedTrainer`` (a ``gluon.Trainer``), both averaging gradients through
-``_Reducer`` (fused, in place, optionally bucket by bucket overlapping backward).
+``_Reducer`` (``gradfuse.mxnet.reducer``: fused, in place, optionally bucket by bucket
+overlapping backward).
 """
 import contextlib
 import os
@@ -9,171 +10,13 @@ import warnings
 from collections import OrderedDict
 
 import mxnet as mx
-import numpy as np
 
-from .. import collectives as _coll
 from ..compressors.policy import rename
-from ..pipeline import Pipeline
-from ..runtime import context as _runtime
-from . import handoff
-from .arrays import _view
-from .basics import _comm_of, _span, global_process_set, rank
+from .basics import global_process_set, rank
 from . import momentum as _momentum
-from .compression import Compression, NoneCompressor
-from .errors import _wait
-
-
-def split_list(l, n):
-    """Split ``l`` into ``n`` nearly equal consecutive parts (Horovod's helper)."""
-    d, r = divmod(len(l), n)
-    return [l[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
-
-
-def _scale_nd(tensors, factor):
-    if factor != 1.0:
-        for t in tensors:
-            t *= factor
-
-
-class _Reducer:
-    """Fused, in-place gradient averaging of NDArrays for one process set.
-
-    Without overlap the gradients go in one fused call (or ``num_groups`` calls). With
-    overlap they are cut into buckets of at most ``fusion_threshold`` bytes in reverse
-    parameter order (backward writes the last layers' gradients first); each bucket is
-    submitted as soon as MXNet has written its gradients, so the communication thread
-    reduces it while MXNet's engine still computes the earlier layers' gradients.
-    Each bucket position has its own ``Pipeline`` (plan cache, compressor state).
-    """
-
-    def __init__(self, process_set, compress, compressor_options, fusion_threshold=None):
-        self.process_set = process_set
-        self.comm = _comm_of(process_set)
-        self._config = dict(compress=compress, average=True, comm=self.comm,
-                            fusion_threshold=fusion_threshold, **compressor_options)
-        self.pipelines = [Pipeline(**self._config)]
-        self._inflight = []          # the handles of the last reduce_'s groups
-
-    @property
-    def pipeline(self):
-        return self.pipelines[0]
-
-    def _pipe(self, g):
-        while len(self.pipelines) <= g:
-            self.pipelines.append(Pipeline(**self._config))
-        return self.pipelines[g]
-
-    def stats(self):
-        """The counters of all bucket pipelines, summed (after the groups in flight)."""
-        from ..step.stats import Stats
-        self.synchronize()
-        total = Stats()
-        for p in self.pipelines:
-            for f in Stats.FIELDS:
-                setattr(total, f, getattr(total, f) + getattr(p.stats, f))
-        return total
-
-    def _groups(self, sent, num_groups, overlap):
-        idx = list(range(len(sent)))
-        if overlap:
-            limit = self.pipeline.fusion_threshold
-            buckets, cur, nbytes = [], [], 0
-            for i in reversed(idx):
-                b = int(np.prod(sent[i].shape)) * np.dtype(sent[i].dtype).itemsize
-                if cur and nbytes + b > limit:
-                    buckets.append(cur)
-                    cur, nbytes = [], 0
-                cur.append(i)
-                nbytes += b
-            return buckets + ([cur] if cur else [])
-        if num_groups > 0:
-            return [g for g in split_list(idx, num_groups) if g]
-        return [idx]
-
-    def reduce_(self, grads, names, num_groups=0, compression=NoneCompressor,
-                predivide=1.0, overlap=False):
-        """Average ``grads`` (NDArrays) across the process set, in place.
-
-        Each group (one, ``num_groups``, or the overlap buckets) is one operation in
-        MXNet's engine (``handoff.reduce_group``), so this returns at once: MXNet starts a
-        group when backward has written its gradients, and the optimizer's update (any
-        MXNet operation on them) waits for its result. A failed group's error is
-        rethrown by MXNet there; the other groups keep their gradients locked in MXNet's
-        engine until their own writes are done, so no later operation (the next backward)
-        sees them half written.
-        """
-        if not grads:
-            return
-        if compression is not NoneCompressor:
-            sent, ctxs = zip(*(compression.compress(g) for g in grads))
-            sent = list(sent)
-        else:
-            sent, ctxs = grads, None
-        _scale_nd(sent, 1.0 / predivide)
-        handles = []
-        try:
-            with _span("allreduce", names[0]):
-                groups = self._groups(sent, num_groups, overlap)
-                for g, idx in enumerate(groups):
-                    part, part_names = [sent[i] for i in idx], [names[i] for i in idx]
-                    try:
-                        h = handoff.reduce_group(self._pipe(g), part, part_names)
-                        if h is None:        # GPU arrays: through their DLPack views, waited for here
-                            h = self._device_group(self._pipe(g), part, part_names)
-                    except Exception as exc:
-                        self._refuse_rest(groups[g + 1:], names, exc)
-                        raise
-                    handles.append(h)
-        finally:
-            self._inflight = handles
-            _scale_nd(sent, predivide)       # an MXNet operation: after the reductions
-        if ctxs is not None:
-            for g, s, c in zip(grads, sent, ctxs):
-                g[:] = compression.decompress(s, c)
-
-    def _refuse_rest(self, groups, names, exc):
-        """A group failed on this rank (its own check, after its earlier groups were queued):
-        refuse the groups after it too, so that the other ranks' requests for them are
-        answered, by an error, instead of pairing with this rank's next collective."""
-        refusals = [_coll.refuse_async("allreduce", ValueError(
-            f"tensor {names[idx[0]]!r}: not reduced, an earlier group of the same call failed: {exc}"), self.comm)
-            for idx in groups]
-        for h in refusals:       # each raises this rank's own refusal: already reported by ``exc``
-            try:
-                h.wait()
-            except Exception:
-                pass
-
-    def _device_group(self, pipe, part, part_names):
-        views = [_view(t, n, device_ok=True) for t, n in zip(part, part_names)]
-        bad = [v for v in views if isinstance(v, _coll.InvalidInput)]
-        if bad:     # every rank raises: the others learn it in the negotiation
-            _wait(_coll.refuse_async("allreduce", bad[0].error, self.comm))
-        h = pipe.allreduce_async(views, out=views, names=part_names)
-        _wait(h)
-        return h
-
-    def synchronize(self):
-        """Wait until the groups in flight have finished (their errors went to MXNet)."""
-        handles, self._inflight = self._inflight, []
-        for h in handles:
-            try:
-                h.wait()
-            except Exception:
-                pass
-
-    def scale_velocity(self, factor):
-        """``CompressionState.scale_velocity`` of every pipeline, between two steps: queued
-        on the communication thread, after the step in flight."""
-        if factor == 1.0:
-            return
-        pipes = list(self.pipelines)
-        _runtime.context(self.comm).engine.submit(
-            lambda: [p.state.scale_velocity(factor) for p in pipes], "scale_velocity")
-
-    def state_dicts(self):
-        self.synchronize()
-        return [p.state_dict() for p in self.pipelines]
+from .adam import AdamCorrection
+from .compression import Compression
+from .reducer import _Reducer, split_list  # noqa: F401  (split_list: Horovod's name, re-exported)
 
 
 class DistributedOptimizer(mx.optimizer.Optimizer):
@@ -191,7 +34,11 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         compress: a gradfuse compressor (as ``DistributedTrainer``'s; default none).
         momentum_correction: DGC's momentum correction (``DistributedTrainer``): None turns
             it on for SGD and NAG with momentum and a lossy compressor, True forces it
-            (other optimizers: ValueError), False keeps the optimizer's momentum.
+            (other optimizers: ValueError), False keeps the optimizer's momentum (and turns
+            the Adam correction off).
+        adam_correction: the Adam correction (``DistributedTrainer``): None turns it on for
+            ``adam`` and ``adamw`` with a lossy compressor that keeps error feedback, True
+            forces it, False keeps the optimizer's Adam.
         **compressor_options: passed to the compressor.
 
     Aggregated updates (``optimizer.aggregate_num > 1``) are reduced in one fused
@@ -201,20 +48,27 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
     """
 
     _OWN = ("_optimizer", "_gradient_predivide_factor", "_num_groups", "_process_set", "_reducer",
-            "_compress", "_compressor_options", "_correction", "_reducers", "_saved")
+            "_compress", "_compressor_options", "_corr", "_reducers", "_saved")
 
     def __init__(self, optimizer, gradient_predivide_factor=1.0, num_groups=0,
                  process_set=global_process_set, compress=None, momentum_correction=None,
-                 **compressor_options):
+                 adam_correction=None, **compressor_options):
         self.__dict__["_optimizer"] = optimizer
         self._gradient_predivide_factor = float(gradient_predivide_factor)
         self._num_groups = num_groups
         self._process_set = process_set
         self._reducer = None
-        self._compress, self._compressor_options, self._correction = _momentum.setup(
-            optimizer, compress, dict(compressor_options), momentum_correction, "DistributedOptimizer")
+        # the optimizer's correction: DGC's momentum correction or the Adam correction (or None)
+        self._compress, self._compressor_options, self._corr = _momentum.setup(
+            optimizer, compress, dict(compressor_options), momentum_correction, "DistributedOptimizer",
+            adam_correction)
         self._reducers = {}          # with the correction: indices -> _Reducer (its velocity)
         self._saved = {}             # pickled velocities, loaded when their reducer is made
+
+    _correction = property(lambda self: None if isinstance(self._corr, AdamCorrection) else self._corr,
+                           doc="DGC's momentum correction, or None.")
+    _adam_correction = property(lambda self: self._corr if isinstance(self._corr, AdamCorrection) else None,
+                                doc="The Adam correction, or None.")
 
     def __getattr__(self, item):
         if item.startswith("__") or item == "_optimizer":
@@ -238,15 +92,15 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         return state
 
     def __setstate__(self, state):
-        state.setdefault("_correction", None)
+        state.setdefault("_corr", state.pop("_correction", None))
         state.setdefault("_reducers", {})
         state.setdefault("_saved", {})
         self.__dict__.update(state)
 
     def _neutral(self):
-        if self._correction is None or not self._process_set.included():
+        if self._corr is None or not self._process_set.included():
             return contextlib.nullcontext()
-        return self._correction.neutral(self._optimizer)
+        return self._corr.neutral(self._optimizer)
 
     def create_state(self, index, weight):
         with self._neutral():
@@ -267,8 +121,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             red = self._reducers[key] = _Reducer(self._process_set, self._compress, self._compressor_options)
             for g, sd in enumerate(self._saved.pop(key, [])):
                 red._pipe(g).load_state_dict(sd)
-        self._correction.prepare(self._optimizer, idx, gs, ws)
-        red.scale_velocity(self._correction.lr_factor(self._optimizer, idx, key))
+        self._corr.prepare(self._optimizer, idx, gs, ws)
+        red.scale_velocity(self._corr.lr_factor(self._optimizer, idx, key))
         red.reduce_(gs, [str(i) for i in idx], self._num_groups, predivide=self._gradient_predivide_factor)
 
     def _do_allreduce(self, index, grad):
@@ -283,7 +137,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
             self._reducer.reduce_([grad], [str(index)], predivide=self._gradient_predivide_factor)
 
     def update(self, index, weight, grad, state):
-        if self._correction is not None and self._process_set.included():
+        if self._corr is not None and self._process_set.included():
             self._corrected(index, weight, grad)
             with self._neutral():
                 return self._optimizer.update(index, weight, grad, state)
@@ -292,7 +146,7 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self._optimizer.update(index, weight, grad, state)
 
     def update_multi_precision(self, index, weight, grad, state):
-        if self._correction is not None and self._process_set.included():
+        if self._corr is not None and self._process_set.included():
             self._corrected(index, weight, grad)
             with self._neutral():
                 return self._optimizer.update_multi_precision(index, weight, grad, state)
@@ -343,7 +197,14 @@ class DistributedTrainer(mx.gluon.Trainer):
             (1bit, 2bit, topk, randomk): each rank keeps its velocity in the compressor
             state, error feedback accumulates it, and the optimizer runs without momentum.
             True: on for any compressor (also ``compress=None``); other optimizers raise
-            ValueError. False: the optimizer keeps its momentum.
+            ValueError. False: the optimizer keeps its momentum (and the Adam correction is off).
+        adam_correction: the Adam correction (docs/mxnet.md), for ``adam`` and ``adamw``.
+            None (default): on with a lossy compressor that keeps error feedback: the
+            pipeline keeps Adam's moments, warms up with exact Adam, then freezes ``v`` and
+            compresses the first moment with error feedback; the optimizer applies the step
+            (its lr, scheduler, lr_mult, wd and wd_mult as set). ``warmup_steps=`` (a
+            compressor option) sets the freeze point; default: the adaptive rule. True: on
+            for any compressor (also ``compress=None``: exact Adam); False: off.
         **compressor_options: passed to the compressor (e.g. ``ratio=0.01``).
 
     ``save_states(f)`` writes the optimizer state to ``f`` exactly as ``gluon.Trainer``
@@ -354,7 +215,7 @@ class DistributedTrainer(mx.gluon.Trainer):
     def __init__(self, params, optimizer, optimizer_params=None, compression=Compression.none,
                  gradient_predivide_factor=1.0, prefix=None, num_groups=0,
                  process_set=global_process_set, compress=None, fusion_threshold=None,
-                 overlap=False, momentum_correction=None, **compressor_options):
+                 overlap=False, momentum_correction=None, adam_correction=None, **compressor_options):
         self._overlap = bool(overlap)
         self._compression = compression
         self._process_set = process_set
@@ -374,14 +235,20 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._num_groups = num_groups
         self._gradient_predivide_factor = float(gradient_predivide_factor)
         self._reducer = None
-        self._correction = None
+        self._corr = None        # the optimizer's correction: DGC's momentum correction or the Adam correction
         if process_set.included() is not False:
             # a layer policy names parameters; the pipeline sees prefix + index
             compress = rename(compress, {self._prefix + str(i): p.name for i, p in enumerate(self._params)
                                          if p.grad_req != "null"})
-            compress, compressor_options, self._correction = _momentum.setup(
-                self._optimizer, compress, dict(compressor_options), momentum_correction, "DistributedTrainer")
+            compress, compressor_options, self._corr = _momentum.setup(
+                self._optimizer, compress, dict(compressor_options), momentum_correction, "DistributedTrainer",
+                adam_correction)
             self._reducer = _Reducer(process_set, compress, compressor_options, fusion_threshold)
+
+    _correction = property(lambda self: None if isinstance(self._corr, AdamCorrection) else self._corr,
+                           doc="DGC's momentum correction, or None.")
+    _adam_correction = property(lambda self: self._corr if isinstance(self._corr, AdamCorrection) else None,
+                                doc="The Adam correction, or None.")
 
     @property
     def pipeline(self):
@@ -415,12 +282,12 @@ class DistributedTrainer(mx.gluon.Trainer):
                 gs[0].copyto(g)
 
     def _allreduce_first_device(self):
-        if self._correction is not None:        # the velocity lives here, on one rank too
+        if self._corr is not None:        # the velocity lives here, on one rank too
             idx = [i for i, p in enumerate(self._params) if p.grad_req != "null"]
             grads, names = self._grads()
-            self._correction.prepare(self._optimizer, idx, grads,
+            self._corr.prepare(self._optimizer, idx, grads,
                                      [self._params[i].list_data()[0] for i in idx])
-            self._reducer.scale_velocity(self._correction.lr_factor(self._optimizer, idx))
+            self._reducer.scale_velocity(self._corr.lr_factor(self._optimizer, idx))
             self._reducer.reduce_(grads, names, self._num_groups, self._compression,
                                   self._gradient_predivide_factor, overlap=self._overlap)
             return
@@ -439,7 +306,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         so it needs the batch size before it runs: pass ``batch_size`` here, and the same
         to ``update``. Without the correction, ``batch_size`` is not needed (``update``
         rescales, as in Gluon)."""
-        if self._correction is not None:
+        if self._corr is not None:
             if batch_size is None:
                 raise ValueError(
                     "DistributedTrainer.allreduce_grads(): the momentum correction is on, and it folds "
@@ -455,7 +322,7 @@ class DistributedTrainer(mx.gluon.Trainer):
         """Gluon's ``update(batch_size)``; with the momentum correction on, ``batch_size``
         must be the one given to ``allreduce_grads`` (the velocity already holds it)."""
         reduced = getattr(self, "_reduced_scale", None)
-        if self._correction is not None and reduced is not None and self._scale / batch_size != reduced:
+        if self._corr is not None and reduced is not None and self._scale / batch_size != reduced:
             raise ValueError(
                 f"DistributedTrainer.update({batch_size}): allreduce_grads() folded rescale_grad "
                 f"{reduced!r} into the velocity, and batch_size {batch_size} asks for "
@@ -465,10 +332,10 @@ class DistributedTrainer(mx.gluon.Trainer):
         super().update(batch_size, ignore_stale_grad)
 
     def _update(self, ignore_stale_grad=False):
-        if self._correction is None:
+        if self._corr is None:
             return super()._update(ignore_stale_grad)
         # momentum, wd, clipping and rescaling are in the velocity: the optimizer steps by lr * it
-        with self._correction.neutral(self._optimizer):
+        with self._corr.neutral(self._optimizer):
             return super()._update(ignore_stale_grad)
 
     def save_states(self, fname):
@@ -477,8 +344,8 @@ class DistributedTrainer(mx.gluon.Trainer):
         pipes = self._reducer.pipelines if self._reducer is not None else []
         if pipes and all(hasattr(p, "state_dict") for p in pipes):
             side = {"format": "gradfuse.mxnet/1", "rank": rank(), "pipelines": self._reducer.state_dicts()}
-            if self._correction is not None:
-                side["momentum_correction"] = self._correction.state()      # the last lr (velocity scale)
+            if self._corr is not None:
+                side["momentum_correction"] = self._corr.state()      # the last lr (velocity scale)
             with open(_sidecar(fname), "wb") as f:
                 pickle.dump(side, f, protocol=pickle.HIGHEST_PROTOCOL)
 
@@ -492,6 +359,6 @@ class DistributedTrainer(mx.gluon.Trainer):
                 saved = pickle.load(f)
             for g, state in enumerate(saved["pipelines"]):
                 self._reducer._pipe(g).load_state_dict(state)
-            if self._correction is not None:
-                self._correction.load(saved.get("momentum_correction"))
+            if self._corr is not None:
+                self._corr.load(saved.get("momentum_correction"))
 

@@ -3,10 +3,13 @@
 ``compressed_jobs`` makes the jobs (``gradfuse.step.jobs`` picks each bucket's job class);
 ``compress``, ``exchange`` and ``decode`` run one stage of one job, each inside its
 timeline span. With DGC's momentum correction (``velocity_of``) a job first updates its
-velocity (``velocity``), and the compressor reads the velocity instead of the gradients.
+velocity (``velocity``), and the compressor reads the velocity instead of the gradients;
+with the Adam correction (``gradfuse.step.adam``) a bucket is compressed once its ``v`` is
+frozen, its compressor reads the moment, and its decode writes the step.
 """
 import numpy as np
 
+from . import adam as _adam
 from .jobs import BucketTask, job_class, pays
 from .plain import bucket_names
 from .. import dtypes as _dt
@@ -37,10 +40,13 @@ def compressed_jobs(step, comm, divisor):
     state, bk = cfg.state, entry.bk
     off, cnt = step.tables.elem_offsets, step.tables.counts
     with_velocity = velocity_of(step) is not None     # DGC's momentum correction: a velocity per bucket
+    adam = _adam.adam_of(step)                        # the Adam correction: compressed once v is frozen
     jobs = {}
     for b in entry.plan.buckets:
         comp = cfg.compressor.compressors[b.group]
-        if comp.lossless or b.code not in COMPRESSIBLE or state.step < comp.warmup_steps:
+        if comp.lossless or b.code not in COMPRESSIBLE:
+            continue
+        if adam is None and state.step < comp.warmup_steps or adam is not None and not _adam.frozen(step, b, comp):
             continue
         comp = _momentum.stage_compressor(comp, state.step)      # top-k/random-k's sparsity warm-up
         src, dst = (step.src, off, cnt, b.lo, b.hi), (step.dst, off, cnt, b.lo, b.hi)
@@ -63,7 +69,7 @@ def compressed_jobs(step, comm, divisor):
         n_res, n_server = job.residual_sizes(comp, b.count, comm, counts=counts)
         residual = state.bucket((entry.state_key, b.index), n_res, n_server, job.algorithm, bk,
                                 velocity=b.count if with_velocity else 0,
-                                single=bk.device == "cpu" and not with_velocity)
+                                single=bk.device == "cpu" and not with_velocity and adam is None)
         task = BucketTask(comm=comm, compressor=comp, bucket=b, src=src, dst=dst, residual=residual,
                           ctx=BucketContext(bucket=b.index, step=state.step, device=bk.device, counts=counts,
                                             shapes=shapes),
@@ -108,6 +114,9 @@ def exchange(job):
 
 
 def decode(job):
-    """Decode-sum-divide into the outputs; the new residuals become current."""
+    """Decode-sum-divide into the outputs; the new residuals become current. With the Adam
+    correction the decoded mean moment then becomes ``m`` and the outputs the step."""
     with _job_stage("decompress", job):
         job.decode()
+        if getattr(job, "adam", None) is not None:      # (a 16-bit Part16 has none: no Adam there)
+            _adam.apply(job)

@@ -20,6 +20,7 @@ values this rank saw) followed by the compressor's payload arrays, each starting
 """
 import numpy as np
 
+from ..compressors import adam as _adam
 from ..compressors import momentum as _momentum
 from ..compressors.error_feedback import EMPTY, compress_with_feedback
 
@@ -108,6 +109,7 @@ class BucketJob:
         self.nonfinite_ranks = []     # ranks that reported non-finite values (same everywhere)
         self.nonfinite_detail = ""
         self.velocity = None          # (x, u) once apply_velocity ran: what the compressor read, u
+        self.adam = None              # the Adam correction's AdamSpec: the compressor reads the moment (step.adam)
         self.stream = False           # decoded right after its exchange, in shared buffers (the step cannot fail)
         self.slot = 0                 # streamed and pipelined (step.overlap): which of two shared buffers
         self.group_bufs = None        # an exchange group's views for this bucket's wire rows (grouped.py)
@@ -150,14 +152,33 @@ class BucketJob:
         return EMPTY, EMPTY
 
     def compress_into(self, payloads):
-        """Fused kernel if the compressor has one, else the reference path."""
+        """Fused kernel if the compressor has one, else the reference path. With the Adam
+        correction the compressor takes the moment ``b1 m + (c1 g) r`` instead of the gradients:
+        in its own pass fused with the compression where the compressor has one
+        (``compress_moment_table``), else from a moment pass into a shared work array."""
         e_in, e_out = self.residuals()
-        bad = self.comp.compress_table(self.src, e_in, e_out, payloads, self.ctx) if self.fused() else None
+        bad = None
+        if self.adam is not None:
+            spec = self.adam
+            if self.fused():
+                arrays = self.state.arrays
+                bad = self.comp.compress_moment_table(self.src, (arrays[_adam.M], arrays[_adam.R], spec.b1, spec.c1),
+                                                      e_in, e_out, payloads, self.ctx)
+            if bad is None:
+                self.moment_pass()
+        if bad is None and self.fused():
+            bad = self.comp.compress_table(self.src, e_in, e_out, payloads, self.ctx)
         if bad is None:
             bad = self.reference_compress(self.bk.gather_f32(self.src, self.n), payloads)
         if self.velocity is not None and self.comp.momentum_masking:
             _momentum.mask(self.bk, e_in, self.velocity[0], e_out, self.velocity[1])
         return int(bad)
+
+    def moment_pass(self):
+        """The Adam correction's moment ``b1 m + (c1 g) r`` into a work array shared by the plan's
+        buckets (its compress stage reads it at once), which the compressor then reads."""
+        self.src = _adam.moment_table(self.bk, self.state, self.src, self.adam,
+                                      self.shared("adam.x", self.n, np.float32))
 
     def reference_compress(self, g, payloads):
         """``compress_with_feedback`` on host values ``g`` (the compressor's plain methods:
@@ -276,6 +297,8 @@ class AllreduceJob(BucketJob):
                 buf = bk.empty_bytes(2 * self.n).view(np.uint16)
                 self.cache["buf16"] = buf
         e_in, e_out = self.residuals()
+        if self.adam is not None:
+            self.moment_pass()
         if e_in.size or not self.fused():
             g = bk.gather_f32(self.src, self.n)
             if self.prescale != 1.0:

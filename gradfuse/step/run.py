@@ -6,6 +6,7 @@ the communication thread calls it. ``Step.run`` is the order of the stages of
 """
 import numpy as np
 
+from . import adam as _adam
 from . import grouped as _grouped
 from .compressed import COMPRESSIBLE, compress, compressed_jobs, decode, exchange, velocity, velocity_of
 from .exchange import ring_bytes
@@ -27,19 +28,21 @@ class StepConfig:
     buckets (``gradfuse.step.overlap.Overlap``), or None to run them serially."""
 
     __slots__ = ("ctx", "compressor", "average", "state", "stats", "nonfinite", "link", "only_if_faster",
-                 "overlap")
+                 "overlap", "adam")
 
     def __init__(self, ctx, compressor, average, state, stats, nonfinite="raise", link=None,
-                 only_if_faster=False, overlap=None):
+                 only_if_faster=False, overlap=None, adam=None):
         self.ctx, self.compressor, self.average = ctx, compressor, average
         self.state, self.stats, self.nonfinite = state, stats, nonfinite
         self.link = link          # the cost model's link (gradfuse.compressors.cost.Link), or None
         self.only_if_faster, self.overlap = only_if_faster, overlap      # uncompressed_if_faster=True
+        self.adam = adam          # the Adam correction's AdamSpec (gradfuse.compressors.adam), or None
 
     def step_tag(self):
         """What of the compressor state the ranks must agree on: its step counter (it drives
-        warm-up and random-k's positions). 0 for lossless pipelines."""
-        return 0 if self.compressor.lossless else self.state.step
+        warm-up, random-k's positions and Adam's bias correction). 0 for lossless pipelines
+        without the Adam correction."""
+        return 0 if self.compressor.lossless and self.adam is None else self.state.step
 
 
 class Step:
@@ -160,11 +163,14 @@ class Step:
         size = float(comm.size)
         jobs = {}
         vel = velocity_of(self)
+        adam = _adam.adam_of(self)
         if not cfg.compressor.lossless:
             jobs = compressed_jobs(self, comm, size if average else 1.0)
             for job in jobs.values():
                 if vel:
                     velocity(job, vel)
+                if adam:
+                    _adam.moment(job, adam)
             bound = []
 
             def verdict(between=None):
@@ -183,7 +189,9 @@ class Step:
                     for job in jobs.values():
                         job.state.spare()     # a step that may be refused keeps its residuals: spares
                 return sure
-            stream = lambda: halves_cannot_fail(jobs, comm)     # noqa: E731 (fp16/bf16: bucket by bucket)
+            # fp16/bf16: bucket by bucket (not with the Adam correction: its decode writes the moments,
+            # which must wait for the verdicts of the whole step)
+            stream = (lambda: halves_cannot_fail(jobs, comm)) if adam is None else False     # noqa: E731
             # pipelined: exchange groups on this thread (gradfuse.step.grouped: the early groups
             # compressed before the verdict, a settled step's buckets decoded as their groups
             # arrive), the rest on the exchange thread (gradfuse.step.overlap)
@@ -212,13 +220,15 @@ class Step:
                 reduce_bucket(self, comm, b, divide, size)
             cfg.stats.bytes_reduced += b.nbytes
             cfg.stats.bytes_sent += ring_bytes(b.nbytes, comm.size)
+        if adam and not _adam.plain(self, comm, jobs, adam):
+            return skip(self, comm)
         for job in jobs.values():
             if not job.stream:
                 decode(job)
             if job.bucket.index in self.staged:
                 self.staged[job.bucket.index].store(self.dst, self.tables)
             cfg.stats.bytes_reduced += job.bucket.nbytes
-        if not cfg.compressor.lossless:
+        if not cfg.compressor.lossless or adam:
             cfg.state.step += 1
         cfg.stats.steps += 1
         cfg.stats.tensors += len(self.entry.names)

@@ -27,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..pipeline import Pipeline
 from ..step.stats import Stats
+from . import adam as _adam
 from . import buckets as _buckets
 from . import checkpoint as _ckpt
 from . import regroup as _regroup
@@ -50,6 +51,11 @@ class CompressionState:
             (``check_optimizer`` warns otherwise).
         start_iter: DDP iterations before this one are reduced uncompressed (with
             ``momentum``, their velocity is not carried over into compression). Default 0.
+        adam: the Adam correction (``gradfuse.torch.adam``): a dict of ``betas``, ``eps``,
+            ``freeze_iter`` and ``clip`` (``{}`` for the defaults). The hook keeps Adam's
+            moments (exact Adam until the freeze, then the frozen ``v`` and the first moment
+            compressed with error feedback) and returns AdamW's step; the optimizer must
+            then be SGD with momentum 0 (its ``weight_decay`` is AdamW's decoupled decay).
         module: the model (or its DDP wrapper), to name tensors by parameter name for the
             layer policy and error messages; else they are ``bucket<i>.<j>``.
         min_elements: as ``gradfuse.Pipeline``.
@@ -69,10 +75,10 @@ class CompressionState:
 
     __slots__ = ("compress", "momentum", "start_iter", "comm", "iteration", "calls", "layout_changes",
                  "_opts", "_names", "_pipes", "_retired", "_warned", "_lock", "_finisher", "_plain",
-                 "last_error", "_regroup")
+                 "last_error", "_regroup", "adam", "_carry", "_now")
 
     def __init__(self, compress="1bit", process_group=None, *, momentum=0.0, start_iter=0, module=None,
-                 min_elements=0, nonfinite="raise", **options):
+                 min_elements=0, nonfinite="raise", adam=None, **options):
         if isinstance(start_iter, bool) or not isinstance(start_iter, int) or start_iter < 0:
             raise ValueError(f"start_iter must be a non-negative int, got {start_iter!r}")
         self.compress, self.momentum, self.start_iter = compress, float(momentum), start_iter
@@ -80,8 +86,11 @@ class CompressionState:
         opts = dict(options, min_elements=min_elements, nonfinite=nonfinite)
         if self.momentum:
             opts["momentum"] = self.momentum
-        # compress=None without momentum is DDP's own arithmetic: scale by 1/p, then the backend's sum
-        self._plain = compress is None and not self.momentum
+        self.adam = _adam.configure(adam, self.momentum, start_iter, opts)
+        self._carry = {}              # with adam: tensor name -> its moments, carried over DDP's rebuild
+        self._now = 0                 # the DDP iteration of the bucket being handed to a pipeline
+        # compress=None without momentum or Adam is DDP's own arithmetic: scale by 1/p, then the backend's sum
+        self._plain = compress is None and not self.momentum and self.adam is None
         self._opts = opts
         Pipeline(compress, comm=self.comm, **opts)      # the options are checked here, on every rank
         self.iteration = 0            # DDP iterations completed (a bucket with is_last() ends one)
@@ -119,10 +128,16 @@ class CompressionState:
                 total[k] += v
         return total
 
-    def check_optimizer(self, optimizer):
+    def check_optimizer(self, optimizer, scaler=None):
         """Warn (once) if ``momentum`` is set here and ``optimizer`` has momentum too: the
-        velocity would be applied twice (DGC's correction moves it out of the optimizer)."""
-        if not self.momentum or self._warned:
+        velocity would be applied twice (DGC's correction moves it out of the optimizer).
+        With ``adam``: warn (once) when the optimizer would apply Adam (or momentum) again,
+        and refuse a ``scaler`` (an enabled ``torch.amp.GradScaler``) with a ValueError;
+        without either: warn when an Adam-family optimizer meets a lossy compressor
+        (``gradfuse.torch.adam.check_optimizer``)."""
+        if self.adam is not None or not self.momentum:
+            return _adam.check_optimizer(self, optimizer, scaler)
+        if self._warned:
             return False
         for group in optimizer.param_groups:
             m = group.get("momentum", 0) or 0
@@ -172,13 +187,16 @@ class CompressionState:
         return ok
 
     def __repr__(self):
-        return (f"gradfuse.torch.CompressionState(compress={self.compress!r}, momentum={self.momentum}, "
+        adam = "" if self.adam is None else f"adam={self.adam!r}, "
+        return (f"gradfuse.torch.CompressionState(compress={self.compress!r}, momentum={self.momentum}, {adam}"
                 f"start_iter={self.start_iter}, iteration={self.iteration}, {self.comm.describe()})")
 
     # --- one bucket --------------------------------------------------------------------
     def _retire(self, keys):
         for key in keys:
             pipe, _ = self._pipes.pop(key)
+            if self.adam is not None:
+                _adam.harvest(self, key, pipe)
             for k, v in pipe.stats.as_dict().items():
                 setattr(self._retired, k, getattr(self._retired, k) + v)
 
@@ -192,6 +210,8 @@ class CompressionState:
                 self.layout_changes += 1
             self._retire(stale)
             entry = self._pipes[key] = [self._make(warm), True]
+            if self.adam is not None:
+                _adam.carry(self, entry[0], layout)
         elif not entry[1]:                    # a restored layout, now in use: the others go
             self._retire([k for k, (_, used) in self._pipes.items() if k[1] == idx and used])
             entry[1] = True
@@ -217,7 +237,10 @@ class CompressionState:
 
     def _submit_group(self, key, layout, views, src):
         """Start a regrouped step: ``views`` (laid out as ``layout``) on the pipeline of ``key``."""
-        return src.submit(self._pipeline(key[0], key[1], layout), views, layout[0])
+        pipe = self._pipeline(key[0], key[1], layout)
+        if self.adam is not None:
+            _adam.freeze_if_due(self, pipe, self._now)
+        return src.submit(pipe, views, layout[0])
 
     def _failed(self, exc):
         self.last_error = exc
@@ -230,15 +253,20 @@ class CompressionState:
             # DDP's own arithmetic without a hook: times 1/p (as a float32 scalar), then the sum
             bucket.buffer().mul_(1.0 / self.comm.size)
         io = _buckets.read(bucket, self._names)
+        if self.adam is not None:
+            _adam.clip(self, io)
         with self._lock:
             self.calls += 1
             last = bucket.is_last()
+            self._now = self.iteration
             if last:
                 self.iteration += 1
             rg = self._regrouped(warm, idx, io)
             if rg is not None:
                 return rg.add(io, self._submit_group, last)
             pipe = self._pipeline(warm, idx, io.layout)
+            if self.adam is not None:
+                _adam.freeze_if_due(self, pipe, self._now)
             handle = io.submit(pipe)
         fut = io.future()
 

@@ -20,7 +20,9 @@ What the mixin adds to ``DDPStrategy``:
   as soon as that exists (Lightning loads a checkpoint before it wraps the model in DDP),
   so ``trainer.fit(model, ckpt_path=...)`` continues bit-exactly;
 - a warning (``CompressionState.check_optimizer``) when the hook keeps DGC's momentum and
-  an optimizer keeps its own too.
+  an optimizer keeps its own too, or keeps Adam's moments (``gradfuse_options={"adam":
+  {...}}``) and an optimizer would apply Adam again; with ``adam`` a precision plugin's
+  GradScaler (``precision="16-mixed"``) is refused.
 """
 import inspect
 
@@ -66,8 +68,9 @@ class GradfuseStrategyMixin:
         the hook's state has DGC's (``CompressionState.check_optimizer``)."""
         super().setup(trainer)
         if self.gradfuse_state is not None:
+            scaler = getattr(getattr(self, "precision_plugin", None), "scaler", None)   # 16-mixed's GradScaler
             for opt in self.optimizers:
-                self.gradfuse_state.check_optimizer(getattr(opt, "_optimizer", opt))
+                self.gradfuse_state.check_optimizer(getattr(opt, "_optimizer", opt), scaler)
 
     def save_checkpoint(self, checkpoint, filepath, storage_options=None):
         """``DDPStrategy.save_checkpoint`` with every rank's hook state in ``checkpoint["gradfuse"]``.

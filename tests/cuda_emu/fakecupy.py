@@ -508,14 +508,18 @@ def _build(code):
     os.makedirs(_BUILD, exist_ok=True)
     so = os.path.join(_BUILD, f"k_{key}.so")
     if not os.path.exists(so):
-        src = os.path.join(_BUILD, f"k_{key}.cpp")
+        # per process: ranks that build the same kernel at once must not share the files
+        # they write (the finished library is renamed into place, whoever is first)
+        src = os.path.join(_BUILD, f"k_{key}.{os.getpid()}.cpp")
         with open(src, "w") as f:
             f.write(tu)
-        cmd = ["g++"] + flags + ["-o", so + ".tmp", src]
+        tmp = f"{so}.{os.getpid()}.tmp"
+        cmd = ["g++"] + flags + ["-o", tmp, src]
         p = subprocess.run(cmd, capture_output=True, text=True)
         if p.returncode:
             raise RuntimeError(f"simt emulator: g++ failed:\n{p.stderr[-4000:]}")
-        os.replace(so + ".tmp", so)
+        os.replace(tmp, so)
+        os.unlink(src)
     lib = ctypes.CDLL(so)
     lib.emu_launch.argtypes = [ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
                                ctypes.POINTER(ctypes.c_void_p)]

@@ -44,6 +44,7 @@ inline float __fadd_rn(float a, float b) { return emu_gpu_nan(a + b); }
 inline float __fsub_rn(float a, float b) { return emu_gpu_nan(a - b); }
 inline float __fmul_rn(float a, float b) { return emu_gpu_nan(a * b); }
 inline float __fdiv_rn(float a, float b) { return emu_gpu_nan(a / b); }
+inline float __fsqrt_rn(float a) { return emu_gpu_nan(__builtin_sqrtf(a)); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
 {
