@@ -19,6 +19,9 @@ A state saved with another world size or compressor config is reset with a warni
 residual is only ever applied to the bucket it was saved for; when the first compressed
 step after a restore finds none of its own, a warning says the layout changed. States
 saved before velocities existed load with none (a pipeline without momentum has none).
+
+A job may keep further per-bucket arrays under names of its own (``BucketState.array``:
+PowerSGD's Q and residual); they are saved and restored with the bucket, bit-exactly.
 """
 import json
 import warnings
@@ -38,7 +41,7 @@ class BucketState:
     """
 
     __slots__ = ("n", "cur", "nxt", "server_cur", "server_nxt", "vel_cur", "vel_nxt", "vscale",
-                 "algorithm", "device", "bk", "tables", "single", "bound", "pinned")
+                 "algorithm", "device", "bk", "tables", "single", "bound", "pinned", "arrays")
 
     def __init__(self, n, server_n, algorithm, bk, velocity=0, single=False):
         self.bk = bk
@@ -53,6 +56,7 @@ class BucketState:
         # restored residuals, then grown step by step by the compressor's ``settle``; inf: unknown
         self.bound = 0.0
         self.pinned = False      # single, but keeps its spare across steps (``pin``)
+        self.arrays = {}         # a job's own named float32 arrays (``array``)
         self.ensure(n, server_n, velocity)
 
     def ensure(self, n, server_n, velocity):
@@ -131,6 +135,27 @@ class BucketState:
             self.vel_cur, self.vel_nxt = self.vel_nxt, self.vel_cur
             self.vscale = 1.0
 
+    def array(self, name, size):
+        """The job's own float32 array ``name`` of ``size`` elements, in this state's memory,
+        or None when it has none of that size (then ``set_array`` makes it). Saved and
+        restored with the bucket; the job decides when to write it (after the step's
+        verdict, so a refused step leaves it as it was)."""
+        a = self.arrays.get(name)
+        return a if a is not None and a.size == size else None
+
+    def set_array(self, name, values):
+        """Make (or replace) the job's array ``name``: a float32 copy of ``values`` (host or
+        this state's memory) in this state's memory; returns it."""
+        a = self.arrays.get(name)
+        if a is None or a.size != values.size:
+            a = self.arrays[name] = self.bk.zeros(values.size, np.float32)
+        if values.size:
+            if isinstance(values, np.ndarray):
+                self.bk.upload(a, np.ascontiguousarray(values, np.float32).reshape(-1))
+            else:
+                a[...] = values.reshape(-1)
+        return a
+
     def upload(self, saved):
         """Fill from a saved entry (host arrays). The residuals are taken when both sizes fit
         (else both stay zero), the velocity when its size fits; returns whether all fitted."""
@@ -150,6 +175,8 @@ class BucketState:
                 self.vscale = float(saved.get("velocity_scale", 1.0))
             else:
                 ok = False
+        for name, values in (saved.get("arrays") or {}).items():
+            self.set_array(name, np.asarray(values, np.float32))
         return ok
 
     def saved(self):
@@ -160,6 +187,8 @@ class BucketState:
         if self.vel_cur.size:
             entry["velocity"] = host(self.vel_cur)
             entry["velocity_scale"] = self.vscale
+        if self.arrays:
+            entry["arrays"] = {k: host(a) for k, a in self.arrays.items()}
         return entry
 
 
@@ -294,6 +323,8 @@ class CompressionState:
             if saved.get("velocity") is not None:
                 entry["velocity"] = np.asarray(saved["velocity"], np.float32).copy()
                 entry["velocity_scale"] = float(saved.get("velocity_scale", 1.0))
+            if saved.get("arrays"):
+                entry["arrays"] = {k: np.asarray(a, np.float32).copy() for k, a in saved["arrays"].items()}
             self.pending[(digest, int(b))] = entry
         return True
 
@@ -310,6 +341,10 @@ def save_npz(sd, path):
         if b.get("velocity") is not None:
             arrays[f"v{i}"] = b["velocity"]
             m["velocity_scale"] = float(b.get("velocity_scale", 1.0))
+        if b.get("arrays"):
+            m["arrays"] = list(b["arrays"])
+            for j, name in enumerate(m["arrays"]):
+                arrays[f"a{i}_{j}"] = b["arrays"][name]
         meta["buckets"][key] = m
     with open(path, "wb") as f:
         np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
@@ -326,5 +361,7 @@ def load_npz(path):
             if f"v{b['i']}" in z.files:
                 buckets[key]["velocity"] = z[f"v{b['i']}"]
                 buckets[key]["velocity_scale"] = float(b.get("velocity_scale", 1.0))
+            if b.get("arrays"):
+                buckets[key]["arrays"] = {name: z[f"a{b['i']}_{j}"] for j, name in enumerate(b["arrays"])}
     meta["buckets"] = buckets
     return meta
