@@ -38,6 +38,7 @@ def job_class(comp, n, p, link=None, counts=None):
     return JOBS[comp.algorithm_for(n, p, link=link, counts=counts)]
 
 
-def pays(comp, algorithm, n, p, link, counts):
+def pays(comp, algorithm, n, p, link, counts, shapes=None):
     """Whether the cost model predicts the compressed exchange faster than the fp32 ring."""
-    return cost.predict(comp, algorithm, n, p, link, counts=counts) < cost.predict("none", "ring", n, p, link)
+    return (cost.predict(comp, algorithm, n, p, link, counts=counts, shapes=shapes)
+            < cost.predict("none", "ring", n, p, link))
