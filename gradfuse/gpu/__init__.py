@@ -1,7 +1,8 @@
 """GPU kernels of gradfuse: the CUDA twins of ``gradfuse._core``, loaded through cupy.
 
 The kernels live in ``cuda/*.cu`` (package data ``gradfuse.cuda``), one file per family:
-``pack.cu``, ``cast.cu``, ``onebit.cu``, ``twobit.cu``, ``sparse.cu``, ``momentum.cu``. Each file is
+``pack.cu``, ``cast.cu``, ``onebit.cu``, ``twobit.cu``, ``sparse.cu``, ``momentum.cu``,
+``powersgd.cu``. Each file is
 compiled at run time by NVRTC (the one cupy loads) with exactly ``OPTIONS`` (no FMA
 contraction, IEEE division, no flush to zero) for the device's architecture, kept in
 cupy's kernel cache directory, and loaded with ``cupy.RawModule(path=...)`` once per
@@ -27,7 +28,7 @@ The package, one concern per module (each imports only modules before it in this
 ``loader`` (kernel sources, NVRTC, the compiled-module caches, ``cupy()``), ``launch``
 (argument checks, tables, launch geometry: what every wrapper shares), one module of
 wrappers per kernel file (``packing`` for ``pack.cu``, ``cast``, ``onebit``, ``twobit``,
-``sparse``, ``momentum``), and ``verify`` (``compile_all``, ``check_subnormals``). This module only
+``sparse``, ``momentum``, ``powersgd``), and ``verify`` (``compile_all``, ``check_subnormals``). This module only
 re-exports their public names: ``gradfuse.gpu`` is the kernel module of the GPU path,
 with the same function names and signatures as ``gradfuse._core``.
 """
@@ -43,6 +44,7 @@ from .twobit import (twobit_block_compress, twobit_block_compress_array, twobit_
 from .sparse import (randomk_compress, randomk_compress_array, randomk_indices, sparse_decompress_sum,
                      sparse_decompress_sum_array, topk_compress, topk_compress_array)
 from .momentum import momentum_mask, momentum_update
+from .powersgd import psgd_gather, psgd_orthogonalize, psgd_scatter
 from .verify import check_subnormals, compile_all
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "randomk_compress", "randomk_compress_array", "randomk_indices", "sparse_decompress_sum",
     "sparse_decompress_sum_array", "topk_compress", "topk_compress_array",
     "momentum_mask", "momentum_update",
+    "psgd_gather", "psgd_orthogonalize", "psgd_scatter",
     # verify
     "check_subnormals", "compile_all",
 ]

@@ -84,6 +84,7 @@ FAMILIES = {
                "gf_sp_pass1", "gf_sp_hist", "gf_sp_select", "gf_sp_count", "gf_sp_scan", "gf_sp_write",
                "gf_sp_take", "gf_sp_rk_draw", "gf_sp_pick"),
     "momentum": ("gf_momentum_update", "gf_momentum_mask"),
+    "powersgd": ("gf_psgd_orthogonalize", "gf_psgd_gather", "gf_psgd_scatter"),
 }
 
 _cp = None

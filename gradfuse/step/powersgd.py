@@ -20,8 +20,6 @@ import numpy as np
 
 from .exchange import BucketJob, ring_bytes
 
-_EMPTY = np.zeros(0, np.float32)
-
 
 class PowerSGDJob(BucketJob):
     """One bucket's PowerSGD step (see the module docstring)."""
@@ -41,7 +39,7 @@ class PowerSGDJob(BucketJob):
         if got is None or got[0] is not lay:
             bk = self.bk
             f32 = lambda k: bk.empty_bytes(4 * max(k, 1)).view(np.float32)[:k]     # noqa: E731
-            bufs = {"W": f32(lay.nw), "U": f32(lay.nu + 1), "P": f32(lay.np_), "Q": f32(lay.nq),
+            bufs = {"W": f32(lay.nw), "U": f32(lay.nu + 1), "P": f32(lay.np_), "Q": f32(lay.nq), "empty": f32(0),
                     "route": bk.pointers(lay.route),
                     "p_tab": tuple(bk.pointers(a) for a in lay.p_tab),
                     "q_tab": tuple(bk.pointers(a) for a in lay.q_tab)}
@@ -75,7 +73,8 @@ class PowerSGDJob(BucketJob):
         e = st.array("residual", lay.nw) if comp.error_feedback else None
         ptrs, _, cnt, lo, hi = self.src
         U = bufs["U"]
-        bad = K.psgd_gather(ptrs, cnt, bufs["route"], lo, hi, _EMPTY if e is None else e, bufs["W"], U[:lay.nu])
+        bad = K.psgd_gather(ptrs, cnt, bufs["route"], lo, hi, bufs["empty"] if e is None else e, bufs["W"],
+                            U[:lay.nu])
         self.bad = int(bad)
         U[lay.nu:] = np.float32(min(self.bad, 1 << 24))
         if lay.mats:
@@ -116,16 +115,14 @@ class PowerSGDJob(BucketJob):
 
     def decode(self):
         lay, bufs, comp, st = self.lay, self.bufs, self.comp, self.state
-        A = self._products("A") if lay.mats else _EMPTY
-        if A is _EMPTY and self.bk.device != "cpu":
-            A = self.bk.xp.zeros(0, np.float32)
+        empty = bufs["empty"]
+        A = self._products("A") if lay.mats else empty
         e_out = None
         if comp.error_feedback and lay.nw:
             e_out = st.array("residual", lay.nw)
             if e_out is None:
                 e_out = st.set_array("residual", self.bk.xp.zeros(lay.nw, np.float32))
         ptrs, _, cnt, lo, hi = self.dst
-        empty = _EMPTY if self.bk.device == "cpu" else self.bk.xp.zeros(0, np.float32)
         self.bk.kernels.psgd_scatter(ptrs, cnt, bufs["route"], lo, hi, A, bufs["W"],
                                      empty if e_out is None else e_out, bufs["U"][:lay.nu], self.divisor)
         if lay.mats and comp.options["warm_start"]:
