@@ -89,3 +89,36 @@ def test_momentum_correction_runs_through_the_job(world):
         assert same_everywhere(world, list(out.values()))
     st = next(iter(pipe.state.buckets.values()))
     assert st.vel_cur.size and set(st.arrays) == {"q", "residual"}
+
+
+@pytest.mark.parametrize("where", ["trainer", "kvstore"])
+def test_mxnet_trainer_and_kvstore_train_identically_on_every_rank(world, where):
+    mx = pytest.importorskip("mxnet")
+    from mxnet import autograd, gluon
+    import gradfuse.mxnet as hvd
+    hvd.init()
+    me = world.Get_rank()
+    mx.random.seed(0)
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(32, activation="relu"), gluon.nn.Dense(10))
+    net.initialize(mx.init.Xavier())
+    rng = np.random.default_rng(me)
+    x = mx.nd.array(rng.standard_normal((16, 40)).astype(np.float32))
+    y = mx.nd.array(np.arange(16) % 10)
+    net(x)
+    hvd.broadcast_parameters(net.collect_params(), root_rank=0)
+    if where == "trainer":
+        tr = hvd.DistributedTrainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                                    compress="powersgd", rank=2, momentum_correction=False)
+    else:
+        tr = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
+                           kvstore=hvd.KVStore(compress="powersgd", rank=2, average=True))
+    loss = gluon.loss.SoftmaxCrossEntropyLoss()
+    for _ in range(4):
+        with autograd.record():
+            val = loss(net(x), y).mean()
+        val.backward()
+        tr.step(1 if where == "trainer" else world.Get_size())
+    ws = [p.data().asnumpy() for p in net.collect_params().values()]
+    assert all(np.isfinite(w).all() for w in ws)
+    assert same_everywhere(world, ws)
