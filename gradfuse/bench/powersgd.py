@@ -50,6 +50,8 @@ def stages(shapes, rank, rounds):
                 np.matmul(Mk, Qk, out=Pk)
             elif kind == "Q":
                 np.matmul(Mk.T, Pk, out=Qk)
+            elif r == 1:
+                np.multiply(Pk, Qk.T, out=A[w:w + n * m].reshape(n, m))
             else:
                 np.matmul(Pk, Qk.T, out=A[w:w + n * m].reshape(n, m))
 

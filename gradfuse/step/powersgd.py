@@ -51,7 +51,7 @@ class PowerSGDJob(BucketJob):
         """Per matrix, through BLAS (numpy's or cupy's matmul): ``"P"``: P = M Q,
         ``"Q"``: Q = M^T P, ``"A"``: A = P Q^T (into the shared approximation array)."""
         lay, b = self.lay, self.bufs
-        mm = self.bk.xp.matmul
+        mm, mul = self.bk.xp.matmul, self.bk.xp.multiply
         W, P, Q = b["W"], b["P"], b["Q"]
         A = self.shared("psgd-A", lay.nw, np.float32) if kind == "A" else None
         for (w, n, m, r, po, qo) in lay.mats:
@@ -62,6 +62,8 @@ class PowerSGDJob(BucketJob):
                 mm(Mk, Qk, out=Pk)
             elif kind == "Q":
                 mm(Mk.T, Pk, out=Qk)
+            elif r == 1:         # an outer product: one rounding per element, as a GEMM's, 15x faster than
+                mul(Pk, Qk.T, out=A[w:w + n * m].reshape(n, m))     # numpy's matmul of k = 1 (measured)
             else:
                 mm(Pk, Qk.T, out=A[w:w + n * m].reshape(n, m))
         return A
