@@ -106,6 +106,10 @@ class PowerSGD(Compressor):
     collective = "powersgd"
     supports_cuda = True
     error_feedback_default = True
+    # no optimizer correction by default: error feedback on the raw gradient, the optimizer's
+    # momentum after the exchange (Vogels et al., torch's hook); DGC's correction made the
+    # digits CNN worse (docs/compressors.md, "PowerSGD")
+    optimizer_correction = False
     OPTIONS = {"rank": 1, "min_compression_rate": 2.0, "warm_start": True, "orthogonalization_epsilon": 0.0,
                "seed": 0}
 

@@ -14,14 +14,19 @@ again at ``commit``/``release``; a pipelined step's early groups keep theirs (``
 buffered the same way, and a pending factor ``velocity_scale`` that the next velocity
 update folds into the momentum (``CompressionState.scale_velocity``).
 
+**Named arrays.** An optimizer correction keeps further per-bucket state as named arrays
+(``BucketState.arrays``, ``array(name, n, dtype)``): the Adam correction's first and second
+moments, its step counter, freeze step and mask (``gradfuse.compressors.adam``). They are
+saved, restored and moved between devices with the bucket, by name, whatever they hold:
+int64 arrays (counters) live in host memory, the others where the bucket's buffers do.
+Pipeline-wide scalars of a correction (JSON-able) live in ``CompressionState.meta``. Both
+are written only after a step's verdict, so a refused step leaves them as they were.
+
 ``state_dict()`` holds plain numpy arrays and JSON-able values; restoring it is bit-exact.
 A state saved with another world size or compressor config is reset with a warning; a
 residual is only ever applied to the bucket it was saved for; when the first compressed
 step after a restore finds none of its own, a warning says the layout changed. States
-saved before velocities existed load with none (a pipeline without momentum has none).
-
-A job may keep further per-bucket arrays under names of its own (``BucketState.array``:
-PowerSGD's Q and residual); they are saved and restored with the bucket, bit-exactly.
+saved before velocities (or named arrays) existed load with none.
 """
 import json
 import warnings
@@ -56,7 +61,7 @@ class BucketState:
         # restored residuals, then grown step by step by the compressor's ``settle``; inf: unknown
         self.bound = 0.0
         self.pinned = False      # single, but keeps its spare across steps (``pin``)
-        self.arrays = {}         # a job's own named float32 arrays (``array``)
+        self.arrays = {}         # name -> an optimizer correction's array (module docstring)
         self.ensure(n, server_n, velocity)
 
     def ensure(self, n, server_n, velocity):
@@ -129,32 +134,21 @@ class BucketState:
         self.bound = 0.0
         self.release()
 
+    def array(self, name, n, dtype=np.float32):
+        """The named array ``name`` of ``n`` elements of ``dtype``, made (zeros) when it does
+        not exist or has another size or dtype: int64 in host memory, the others in the
+        bucket's backend."""
+        a = self.arrays.get(name)
+        dtype = np.dtype(dtype)
+        if a is None or a.size != n or a.dtype != dtype:
+            a = self.arrays[name] = np.zeros(n, dtype) if dtype == np.int64 else self.bk.zeros(n, dtype)
+        return a
+
     def commit_velocity(self):
         """The step's velocity becomes current (an uncompressed bucket: residuals untouched)."""
         if self.vel_cur.size:
             self.vel_cur, self.vel_nxt = self.vel_nxt, self.vel_cur
             self.vscale = 1.0
-
-    def array(self, name, size):
-        """The job's own float32 array ``name`` of ``size`` elements, in this state's memory,
-        or None when it has none of that size (then ``set_array`` makes it). Saved and
-        restored with the bucket; the job decides when to write it (after the step's
-        verdict, so a refused step leaves it as it was)."""
-        a = self.arrays.get(name)
-        return a if a is not None and a.size == size else None
-
-    def set_array(self, name, values):
-        """Make (or replace) the job's array ``name``: a float32 copy of ``values`` (host or
-        this state's memory) in this state's memory; returns it."""
-        a = self.arrays.get(name)
-        if a is None or a.size != values.size:
-            a = self.arrays[name] = self.bk.zeros(values.size, np.float32)
-        if values.size:
-            if isinstance(values, np.ndarray):
-                self.bk.upload(a, np.ascontiguousarray(values, np.float32).reshape(-1))
-            else:
-                a[...] = values.reshape(-1)
-        return a
 
     def upload(self, saved):
         """Fill from a saved entry (host arrays). The residuals are taken when both sizes fit
@@ -175,8 +169,14 @@ class BucketState:
                 self.vscale = float(saved.get("velocity_scale", 1.0))
             else:
                 ok = False
-        for name, values in (saved.get("arrays") or {}).items():
-            self.set_array(name, np.asarray(values, np.float32))
+        for name, a in (saved.get("arrays") or {}).items():
+            a = np.asarray(a)
+            if a.dtype == np.int64:
+                self.arrays[name] = a.copy()
+            else:
+                self.arrays[name] = dev = bk.zeros(a.size, a.dtype)
+                if a.size:
+                    bk.upload(dev, a.reshape(-1))
         return ok
 
     def saved(self):
@@ -188,7 +188,8 @@ class BucketState:
             entry["velocity"] = host(self.vel_cur)
             entry["velocity_scale"] = self.vscale
         if self.arrays:
-            entry["arrays"] = {k: host(a) for k, a in self.arrays.items()}
+            entry["arrays"] = {k: (a.copy() if isinstance(a, np.ndarray) else host(a))
+                               for k, a in self.arrays.items()}
         return entry
 
 
@@ -199,6 +200,8 @@ class CompressionState:
         self.step = 0                 # compressed-or-warm-up steps completed
         self.buckets = {}             # (digest hex, bucket index) -> BucketState
         self.pending = {}             # restored, not yet claimed by a plan
+        self.meta = {}                # an optimizer correction's pipeline-wide scalars (JSON-able)
+        self.seeds = {}               # bucket index -> a saved entry for a new bucket of that index (``seed``)
         self._fresh_restore = False   # no compressed step since the last restore
         self._claimed_any = False
 
@@ -224,6 +227,9 @@ class CompressionState:
             saved = self.pending.pop(key, None)
             if saved is not None:
                 self._claimed_any = True
+            else:
+                saved = self.seeds.pop(key[1], None)
+            if saved is not None:
                 if not st.upload(saved):
                     warnings.warn(f"gradfuse: checkpointed state of bucket {key[1]} has a different size; "
                                   f"starting the parts that differ from zero", RuntimeWarning, stacklevel=3)
@@ -250,6 +256,12 @@ class CompressionState:
         self._claimed_any = True
         return (bk.xp.array(saved["residual"], dtype=np.float32),
                 bk.xp.array(saved["server_residual"], dtype=np.float32))
+
+    def seed(self, index, entry):
+        """Start the next new bucket of index ``index`` (of any plan, without a restored state of
+        its own) from ``entry`` (a ``state_dict()`` bucket entry): a binding that carries an
+        optimizer correction's arrays over to a new bucket layout (the DDP hook's rebuild)."""
+        self.seeds[int(index)] = entry
 
     def scale_velocity(self, factor):
         """Multiply every velocity by ``factor`` at its bucket's next velocity update (folded
@@ -293,8 +305,11 @@ class CompressionState:
             buckets[f"{digest}/{b}"] = st.saved()
         for (digest, b), saved in self.pending.items():
             buckets.setdefault(f"{digest}/{b}", saved)
-        return {"format": FORMAT, "compressor": config, "world_size": world_size, "rank": rank,
-                "step": self.step, "buckets": buckets}
+        sd = {"format": FORMAT, "compressor": config, "world_size": world_size, "rank": rank,
+              "step": self.step, "buckets": buckets}
+        if self.meta:
+            sd["meta"] = json.loads(json.dumps(self.meta))
+        return sd
 
     def load_state_dict(self, sd, config, world_size, rank):
         if not isinstance(sd, dict) or sd.get("format") != FORMAT:
@@ -306,6 +321,7 @@ class CompressionState:
             problem = f"it was saved with compressor {sd['compressor']} and this pipeline has {config}"
         self.buckets.clear()
         self.pending.clear()
+        self.meta = {}
         if problem:
             warnings.warn(f"gradfuse: compressor state reset: {problem}", RuntimeWarning, stacklevel=3)
             self.step = 0
@@ -314,6 +330,7 @@ class CompressionState:
             warnings.warn(f"gradfuse: loading rank {sd.get('rank')}'s compressor state on rank {rank}; "
                           f"each rank should load its own file", RuntimeWarning, stacklevel=3)
         self.step = int(sd["step"])
+        self.meta = json.loads(json.dumps(sd.get("meta") or {}))
         self._fresh_restore, self._claimed_any = True, False
         for key, saved in sd["buckets"].items():
             digest, b = key.rsplit("/", 1)
@@ -324,7 +341,7 @@ class CompressionState:
                 entry["velocity"] = np.asarray(saved["velocity"], np.float32).copy()
                 entry["velocity_scale"] = float(saved.get("velocity_scale", 1.0))
             if saved.get("arrays"):
-                entry["arrays"] = {k: np.asarray(a, np.float32).copy() for k, a in saved["arrays"].items()}
+                entry["arrays"] = {k: np.array(a, copy=True) for k, a in saved["arrays"].items()}
             self.pending[(digest, int(b))] = entry
         return True
 
@@ -342,16 +359,17 @@ def save_npz(sd, path):
             arrays[f"v{i}"] = b["velocity"]
             m["velocity_scale"] = float(b.get("velocity_scale", 1.0))
         if b.get("arrays"):
-            m["arrays"] = list(b["arrays"])
-            for j, name in enumerate(m["arrays"]):
-                arrays[f"a{i}_{j}"] = b["arrays"][name]
+            m["arrays"] = sorted(b["arrays"])
+            for name, a in b["arrays"].items():
+                arrays[f"a{i}/{name}"] = a
         meta["buckets"][key] = m
     with open(path, "wb") as f:
         np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
 
 
 def load_npz(path):
-    """The ``state_dict()`` that ``save_npz`` wrote to ``path`` (files without velocities too)."""
+    """The ``state_dict()`` that ``save_npz`` wrote to ``path`` (files without velocities or
+    named arrays too)."""
     with np.load(path, allow_pickle=False) as z:
         meta = json.loads(z["meta"].tobytes().decode())
         buckets = {}
@@ -362,6 +380,6 @@ def load_npz(path):
                 buckets[key]["velocity"] = z[f"v{b['i']}"]
                 buckets[key]["velocity_scale"] = float(b.get("velocity_scale", 1.0))
             if b.get("arrays"):
-                buckets[key]["arrays"] = {name: z[f"a{b['i']}_{j}"] for j, name in enumerate(b["arrays"])}
+                buckets[key]["arrays"] = {name: z[f"a{b['i']}/{name}"] for name in b["arrays"]}
     meta["buckets"] = buckets
     return meta

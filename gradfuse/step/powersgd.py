@@ -9,8 +9,9 @@ the world size (the divisor). ``decode()``, after the step's non-finite verdict,
 M^ = P Q^T into the outputs and e = W - M^ as the new residual (``psgd_scatter``), U /
 divisor into the uncompressed tensors, and keeps Q for the next step.
 
-State (``BucketState.array``): ``"q"`` (warm start) and ``"residual"`` (error feedback),
-both written only in ``decode``, so a refused step leaves them as they were; the random
+State (the bucket's named arrays, ``BucketState.array``): ``"q"`` (warm start) and
+``"residual"`` (error feedback), both written only in ``decode``, so a refused step leaves
+them as they were; the random
 Q is drawn from (seed, bucket, step), so the step counter is its whole random state.
 Non-finite values: every rank's count travels in the first allreduce, and each sum is
 checked where it arrives (an allreduce gives every rank the same bits), so every rank
@@ -19,6 +20,13 @@ reaches the same verdict (``gradfuse.step.verdict``).
 import numpy as np
 
 from .exchange import BucketJob, ring_bytes
+
+
+def _kept(st, name, n):
+    """The bucket's named array ``name`` if it exists with ``n`` elements, else None (read
+    without making one: the state is written after the step's verdict only)."""
+    a = st.arrays.get(name)
+    return a if a is not None and a.size == n else None
 
 
 class PowerSGDJob(BucketJob):
@@ -72,7 +80,7 @@ class PowerSGDJob(BucketJob):
         lay, bufs = self.lay, self.bufs = self.buffers()
         comp, st, K = self.comp, self.state, self.bk.kernels
         eps = comp.options["orthogonalization_epsilon"]
-        e = st.array("residual", lay.nw) if comp.error_feedback else None
+        e = _kept(st, "residual", lay.nw) if comp.error_feedback else None
         ptrs, _, cnt, lo, hi = self.src
         U = bufs["U"]
         bad = K.psgd_gather(ptrs, cnt, bufs["route"], lo, hi, bufs["empty"] if e is None else e, bufs["W"],
@@ -80,7 +88,7 @@ class PowerSGDJob(BucketJob):
         self.bad = int(bad)
         U[lay.nu:] = np.float32(min(self.bad, 1 << 24))
         if lay.mats:
-            q = st.array("q", lay.nq) if comp.options["warm_start"] else None
+            q = _kept(st, "q", lay.nq) if comp.options["warm_start"] else None
             Q = bufs["Q"]
             if q is None:
                 init = comp.initial_q(lay, self.ctx.bucket, self.ctx.step)
@@ -119,14 +127,10 @@ class PowerSGDJob(BucketJob):
         lay, bufs, comp, st = self.lay, self.bufs, self.comp, self.state
         empty = bufs["empty"]
         A = self._products("A") if lay.mats else empty
-        e_out = None
-        if comp.error_feedback and lay.nw:
-            e_out = st.array("residual", lay.nw)
-            if e_out is None:
-                e_out = st.set_array("residual", self.bk.xp.zeros(lay.nw, np.float32))
+        e_out = st.array("residual", lay.nw) if comp.error_feedback and lay.nw else None
         ptrs, _, cnt, lo, hi = self.dst
         self.bk.kernels.psgd_scatter(ptrs, cnt, bufs["route"], lo, hi, A, bufs["W"],
                                      empty if e_out is None else e_out, bufs["U"][:lay.nu], self.divisor)
         if lay.mats and comp.options["warm_start"]:
-            st.set_array("q", bufs["Q"])
+            st.array("q", lay.nq)[...] = bufs["Q"]
         self.commit()
