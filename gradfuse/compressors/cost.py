@@ -140,10 +140,10 @@ RATES = {
     "fp16": Rates(22.9e9, 25.2e9), "bf16": Rates(21.3e9, 25.9e9),
     "1bit": Rates(11.5e9, 32.5e9), "2bit": Rates(8.0e9, 19.0e9),
     "topk": Rates(5.4e9, 28.3e9), "randomk": Rates(12.0e9, 26.9e9),
-    # PowerSGD's whole compute (gather, Gram-Schmidt, the BLAS products, scatter; rank 1-4 on
-    # ResNet-50), ``python -m gradfuse.bench powersgd``: measured while the machine ran other
-    # jobs at a load average near 17 on its 2 cores, so pessimistic (docs/compressors.md, "PowerSGD")
-    "powersgd": Rates(1.0e9, 0.7e9),
+    # PowerSGD's whole compute at its default rank 1 on ResNet-50 (gather, Gram-Schmidt, the
+    # BLAS products, scatter), ``OMP_NUM_THREADS=1 python -m gradfuse.bench powersgd``
+    # (docs/compressors.md, "PowerSGD"); rank 4 computes about 1.5x as long
+    "powersgd": Rates(3.4e9, 2.7e9),
 }
 
 SPARSE = ("topk", "randomk")
