@@ -34,7 +34,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradfuse.torch as gt
 
 METHODS = ["ddp", "pytorch-fp16", "pytorch-powersgd-r1", "pytorch-powersgd-r4", "gradfuse-none", "gradfuse-fp16",
-           "gradfuse-1bit", "gradfuse-2bit", "gradfuse-topk", "gradfuse-randomk"]
+           "gradfuse-1bit", "gradfuse-2bit", "gradfuse-topk", "gradfuse-randomk", "gradfuse-powersgd-r1",
+           "gradfuse-powersgd-r4"]
 _count = {"method": None}
 _real_all_reduce = dist.all_reduce
 
@@ -76,6 +77,11 @@ class Bench:
             r = int(method.rsplit("r", 1)[1])
             self.ddp.register_comm_hook(powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=r,
                                                                     start_powerSGD_iter=2), powerSGD_hook.powerSGD_hook)
+        elif method.startswith("gradfuse-powersgd"):
+            # torch's hook's schedule: PowerSGD from DDP iteration 2 on, rank r
+            self.state = gt.CompressionState("powersgd", rank=int(method.rsplit("r", 1)[1]), start_iter=2,
+                                             module=self.model)
+            self.ddp.register_comm_hook(self.state, gt.comm_hook)
         elif method.startswith("gradfuse-"):
             c = method.split("-", 1)[1]
             self.state = gt.CompressionState(None if c == "none" else c, module=self.model)

@@ -12,6 +12,12 @@ epochs for all. With several methods, the first is the reference: each seed runs
 method from the same initial weights and data order, and the paired gap to the reference
 (mean and 95% confidence interval over the seeds) is printed at the end.
 
+PowerSGD keeps the momentum in the optimizer (error feedback on the raw gradient, as
+Vogels et al. and torch's hook do): ``powersgd-r1`` / ``powersgd-r2`` run gradfuse's hook
+with ``CompressionState("powersgd", rank=r, start_iter=T)``, ``torch-powersgd-r1`` /
+``torch-powersgd-r2`` torch's own ``powerSGD_hook`` with ``start_powerSGD_iter=T``, both
+with SGD momentum 0.9; T is a tenth of the run (``--start-iter``).
+
 The train/test split is fixed (random_state=0, 360 test images) apart from the seed.
 """
 import argparse
@@ -43,6 +49,8 @@ def parse():
     ap.add_argument("--momentum", type=float, default=0.9)
     ap.add_argument("--batch", type=int, default=32, help="per rank")
     ap.add_argument("--hidden", type=int, default=128)
+    ap.add_argument("--start-iter", type=int, default=None,
+                    help="PowerSGD's uncompressed first iterations (default: a tenth of the run, at least 2)")
     ap.add_argument("--json", help="write the results here (rank 0)")
     return ap.parse_args()
 
@@ -62,8 +70,22 @@ def train(method, seed, args, ds, rank, size):
                                 torch.nn.Linear(args.hidden, 10))
     ddp = DDP(model)
     state = None
+    n = xtr.shape[0]
+    steps_per_epoch = n // (args.batch * size)
+    start = args.start_iter if args.start_iter is not None else max(2, steps_per_epoch * args.epochs // 10)
     if method == "ddp":
         opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+    elif method.startswith("torch-powersgd-r"):
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
+        state = ps.PowerSGDState(process_group=None, matrix_approximation_rank=int(method.rsplit("r", 1)[1]),
+                                 start_powerSGD_iter=start, random_seed=seed)
+        ddp.register_comm_hook(state, ps.powerSGD_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)
+    elif method.startswith("powersgd-r"):
+        state = gt.CompressionState("powersgd", rank=int(method.rsplit("r", 1)[1]), start_iter=start, seed=seed,
+                                    module=model)
+        ddp.register_comm_hook(state, gt.comm_hook)
+        opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=args.momentum)   # PowerSGD: momentum here
     else:
         comp = None if method == "none" else method
         state = gt.CompressionState(comp, momentum=args.momentum, module=model)
@@ -71,8 +93,6 @@ def train(method, seed, args, ds, rank, size):
         opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.0)   # the momentum is in the hook state
         state.check_optimizer(opt)
     gen = torch.Generator().manual_seed(1000 + seed)      # the same order on every rank
-    n = xtr.shape[0]
-    steps_per_epoch = n // (args.batch * size)
     t0 = time.perf_counter()
     steps, diverged = 0, None
     try:
@@ -88,7 +108,7 @@ def train(method, seed, args, ds, rank, size):
     except RuntimeError:
         # DDP re-raises the hook's error as a RuntimeError; a NonFiniteError (raised on every rank
         # at the same step) means the run diverged
-        if state is None or not isinstance(state.last_error, NonFiniteError):
+        if not isinstance(getattr(state, "last_error", None), NonFiniteError):
             raise
         diverged = f"step {steps}: {state.last_error}"
     wall = time.perf_counter() - t0
@@ -105,12 +125,20 @@ def train(method, seed, args, ds, rank, size):
            "step_ms": 1e3 * wall / max(1, steps), "identical_on_all_ranks": same}
     if not finite:
         res["diverged"] = diverged or "non-finite outputs"
-    if state is not None:
+    full = 2 * (size - 1) / size * sum(p.numel() * 4 for p in model.parameters())
+    if isinstance(state, gt.CompressionState):
         st = state.stats
         res["bytes_per_step"] = st["bytes_sent"] / max(1, steps)
         res["hook_calls"] = state.calls
+        if method.startswith("powersgd"):
+            res["start_iter"] = start
+    elif state is not None:        # torch's PowerSGD: its own element counts, over the compressed steps
+        _, before, after = state.compression_stats()
+        c = max(0, steps - start)
+        res["bytes_per_step"] = (start * full + c * full * after / max(1, before)) / max(1, steps)
+        res["start_iter"] = start
     else:
-        res["bytes_per_step"] = 2 * (size - 1) / size * sum(p.numel() * 4 for p in model.parameters())
+        res["bytes_per_step"] = full
     return res
 
 

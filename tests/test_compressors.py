@@ -122,7 +122,7 @@ def test_fixed_gradient_time_average(name, steps, limit):
 
 
 def test_registry_and_errors():
-    assert compressors.available() == ["1bit", "2bit", "bf16", "fp16", "none", "randomk", "topk"]
+    assert compressors.available() == ["1bit", "2bit", "bf16", "fp16", "none", "powersgd", "randomk", "topk"]
     with pytest.raises(ValueError, match="unknown compressor '3bit'; valid names: 1bit, 2bit"):
         create("3bit")
     with pytest.raises(TypeError, match="compressor '1bit': unknown option.*blocksize.*valid options: "

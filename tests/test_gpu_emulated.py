@@ -45,7 +45,7 @@ def test_gpu_pipeline_on_simt_emulator():
     env["GRADFUSE_GPU_EMULATOR"] = "1"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-rs",
            "tests/test_gpu_pipeline.py", "tests/test_gpu_comm.py", "tests/test_gpu_momentum.py",
-           "tests/test_gpu_adam.py"]
+           "tests/test_gpu_adam.py", "tests/test_gpu_powersgd.py"]
     code, out, timed_out = run_limited(cmd, timeout=600, env=env, cwd=ROOT)
     assert not timed_out, out[-4000:]
     assert code == 0, out[-8000:]

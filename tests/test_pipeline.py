@@ -162,7 +162,7 @@ def test_get_config_round_trips(comm):
 
 
 def test_options_are_validated(comm):
-    with pytest.raises(ValueError, match="unknown compressor 'nope'; valid names: 1bit, 2bit, bf16, fp16, none, randomk, topk"):
+    with pytest.raises(ValueError, match="unknown compressor 'nope'; valid names: 1bit, 2bit, bf16, fp16, none, powersgd, randomk, topk"):
         gradfuse.Pipeline(comm=comm, compress="nope")
     with pytest.raises(ValueError, match="fusion_threshold"):
         gradfuse.Pipeline(comm=comm, fusion_threshold=-1)

@@ -105,3 +105,13 @@ def test_state_needs_an_initialized_process_group():
         pytest.skip("a process group exists in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         gt.CompressionState("1bit")
+
+
+def test_powersgd_hook_matches_torchs_powersgd_hook():
+    """gradfuse's PowerSGD through the hook and torch's powerSGD_hook, same initial Q and data,
+    20 steps on 2 ranks at rank 1 and rank 2: max|dw| / max|w| <= 1e-5
+    (tests/torch_bodies/powersgd_checks.py)."""
+    script = os.path.join(ROOT, "tests", "torch_bodies", "powersgd_checks.py")
+    code, out, timed_out = run_limited(_torchrun(2, script), timeout=LIMIT, env=_env(), cwd=ROOT)
+    _check(out, code, timed_out, 2, "torchrun powersgd_checks.py")
+    assert out.count("POWERSGD rank=1 ") == 2 and out.count("POWERSGD rank=2 ") == 2, out[-3000:]

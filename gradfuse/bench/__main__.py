@@ -9,6 +9,7 @@
     mpiexec -n 2 python -m gradfuse.bench fixed      # fixed-gradient time-averages (gradfuse.bench.fixed)
     mpiexec -n 2 python -m gradfuse.bench mxnet      # gradfuse.mxnet vs Horovod, Pipeline, MPI (gradfuse.bench.mxnet)
     python -m gradfuse.bench network [--where 1gbit:2,1gbit:4]  # on emulated links (gradfuse.bench.network; root)
+    python -m gradfuse.bench powersgd [--ranks 1,4]  # PowerSGD's compute stage by stage (gradfuse.bench.powersgd)
 
 Every method runs once per round, methods alternate inside a round, and the table
 reports the median over rounds, so drifting machine load hits all methods alike.
@@ -25,7 +26,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m gradfuse.bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("what", choices=["fusion", "compress", "allreduce", "threshold", "collectives", "gpu", "fixed",
-                                           "mxnet", "network"])
+                                           "mxnet", "network", "powersgd"])
     ap.add_argument("--rounds", type=int, default=None, help="rounds per method (default 20; fusion 15)")
     ap.add_argument("--sets", default="resnet50,small", help="comma-separated: resnet50, small")
     ap.add_argument("--no-horovod", action="store_true", help="leave Horovod out even if installed")
@@ -39,6 +40,9 @@ def main(argv=None):
     if argv[:1] == ["mxnet"]:
         from .mxnet import main as mxnet_main  # its own options: python -m gradfuse.bench mxnet --help
         return mxnet_main(argv[1:])
+    if argv[:1] == ["powersgd"]:
+        from .powersgd import main as powersgd_main  # its own options: python -m gradfuse.bench powersgd --help
+        return powersgd_main(argv[1:])
     if argv[:1] == ["network"]:
         from .network import main as network_main  # launches its own mpiexec runs: not under mpiexec
         return network_main(argv[1:])

@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 
-from .network_worker import BASELINES, COMPRESSORS, WORKLOADS, buckets
+from .network_worker import BASELINES, COMPRESSORS, WORKLOADS, bucket_shapes, buckets
 
 DEFAULT_METHODS = ("none", "fp16", "1bit-allgather", "1bit-twophase", "2bit", "topk", "randomk") + BASELINES
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -112,15 +112,17 @@ def predict_step(label, w, p, link, latency):
     m = w["methods"][label]
     if label in COMPRESSORS:
         cname, opts = COMPRESSORS[label]
-        parts = [(cname, a, n, opts) for n, a in zip(buckets(w["counts"], m["threshold"]), m["algorithms"])]
+        sh = bucket_shapes([tuple(s) for s in w.get("shapes", [(c,) for c in w["counts"]])], m["threshold"])
+        parts = [(cname, a, n, opts, tuple(map(tuple, s)))
+                 for n, a, s in zip(buckets(w["counts"], m["threshold"]), m["algorithms"], sh)]
     elif label == "mpi4py":
-        parts = [("none", "ring", n, {}) for n in w["counts"]]
+        parts = [("none", "ring", n, {}, None) for n in w["counts"]]
     else:      # Horovod fuses into 64 MB buckets: about one allreduce of everything
-        parts = [("fp16", "allreduce", w["bytes"] // 4, {}) if label == "horovod-fp16" else
-                 ("none", "ring", w["bytes"] // 4, {})]
+        parts = [("fp16", "allreduce", w["bytes"] // 4, {}, None) if label == "horovod-fp16" else
+                 ("none", "ring", w["bytes"] // 4, {}, None)]
     try:
-        full = sum(cost.predict(c, a, n, p, L, options=o) for c, a, n, o in parts)
-        compute = sum(cost.predict(c, a, n, p, free, options=o) for c, a, n, o in parts)
+        full = sum(cost.predict(c, a, n, p, L, options=o, shapes=s) for c, a, n, o, s in parts)
+        compute = sum(cost.predict(c, a, n, p, free, options=o, shapes=s) for c, a, n, o, s in parts)
     except (ValueError, KeyError):
         return None, None
     return full, full - compute
@@ -128,7 +130,7 @@ def predict_step(label, w, p, link, latency):
 
 MODEL_ROWS = (("none", "ring"), ("fp16", "allreduce"), ("1bit", "allgather"), ("1bit", "twophase"),
               ("2bit", "allgather"), ("2bit", "twophase"), ("topk", "allgather"), ("randomk", "allgather"),
-              ("randomk", "sparse_allreduce"))
+              ("randomk", "sparse_allreduce"), ("powersgd", "powersgd"))
 MODEL_P = (2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -139,9 +141,10 @@ def model_table(workload, links, threshold=1 << 20):
     from ..compressors import cost
     counts = [int(math.prod(s)) for s in WORKLOADS[workload]()]
     bs = buckets(counts, threshold)
+    shs = bucket_shapes(WORKLOADS[workload](), threshold)
 
     def step(c, a, p, link):
-        return sum(cost.predict(c, a, n, p, link) for n in bs)
+        return sum(cost.predict(c, a, n, p, link, shapes=s) for n, s in zip(bs, shs))
 
     def crossover(c, a, link, p_max=4096):
         def loses(p):

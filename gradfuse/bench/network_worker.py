@@ -52,6 +52,7 @@ COMPRESSORS = {
     "none": ("none", {}), "fp16": ("fp16", {}),
     "1bit-allgather": ("1bit", {"algorithm": "allgather"}), "1bit-twophase": ("1bit", {"algorithm": "twophase"}),
     "1bit": ("1bit", {}), "2bit": ("2bit", {}), "topk": ("topk", {}), "randomk": ("randomk", {}),
+    "powersgd-r1": ("powersgd", {"rank": 1}), "powersgd-r4": ("powersgd", {"rank": 4}),
 }
 BASELINES = ("mpi4py", "horovod", "horovod-fp16")
 
@@ -71,6 +72,27 @@ def buckets(counts, threshold):
             out.append(cur)
             cur = 0
         cur += c
+    if cur:
+        out.append(cur)
+    return out
+
+
+def bucket_shapes(shapes, threshold):
+    """The tensor shapes of each fusion bucket ``buckets`` makes (the same greedy fusion)."""
+    out, cur, acc = [], [], 0
+    for s in shapes:
+        c = int(math.prod(s))
+        if threshold == 0 or 4 * c >= threshold:
+            if cur:
+                out.append(cur)
+                cur, acc = [], 0
+            out.append([s])
+            continue
+        if cur and 4 * (acc + c) > threshold:
+            out.append(cur)
+            cur, acc = [], 0
+        cur.append(s)
+        acc += c
     if cur:
         out.append(cur)
     return out
@@ -230,7 +252,8 @@ def run(workloads, methods, rounds, out, with_horovod=True):
                 (f", {wire / MB:.2f} MB on the wire" if wire is not None else ""))
             del fn, work, pipe
             gc.collect()
-        result["workloads"][wname] = {"bytes": S, "tensors": len(arrays), "counts": counts, "methods": rows}
+        result["workloads"][wname] = {"bytes": S, "tensors": len(arrays), "counts": counts,
+                                      "shapes": [list(s) for s in shapes], "methods": rows}
         del arrays, expected
         gc.collect()
     if rank == 0:

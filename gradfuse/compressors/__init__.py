@@ -5,7 +5,7 @@ Contract of an extension point: a compressor is a class registered under a name 
 ``register_compressor``. ``Pipeline(compress=NAME, **options)`` looks it up here; an
 unknown name raises a ``ValueError`` that lists the valid names. ``get_config()``
 returns ``{"name": ..., **options}`` and is part of what the ranks agree on before a
-collective. Built in: none, fp16, bf16, 1bit, 2bit, topk, randomk (one file each);
+collective. Built in: none, fp16, bf16, 1bit, 2bit, topk, randomk, powersgd (one file each);
 the contract a compressor implements is in ``gradfuse.compressors.base``.
 """
 from .base import BucketContext, Compressor, NoneCompressor
@@ -13,10 +13,11 @@ from .bf16 import BF16
 from .fp16 import FP16
 from .onebit import OneBit
 from .policy import LayerPolicy
+from .powersgd import PowerSGD
 from .randomk import RandomK
 from .registry import available, create, register_compressor
 from .topk import TopK
 from .twobit import TwoBit
 
 __all__ = ["BucketContext", "Compressor", "NoneCompressor", "FP16", "BF16", "OneBit", "TwoBit", "TopK",
-           "RandomK", "LayerPolicy", "register_compressor", "available", "create"]
+           "RandomK", "PowerSGD", "LayerPolicy", "register_compressor", "available", "create"]

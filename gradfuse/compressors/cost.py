@@ -35,6 +35,12 @@ Predicted seconds (``predict``), with ``q = (p - 1) / p``:
 - ``sparse_allreduce`` (random-k: every rank draws the same k positions): ``S / C +
   2 q (4 k) / B + 2 (p - 1) a + q 4 k / R + decode(1)``: the k values are summed by a
   ring allreduce of k float32 values.
+- ``powersgd`` (PowerSGD, three dependent ring allreduces: the uncompressed part U, then
+  P, then Q): ``S / C + 2 q P / B + 3 * 2 (p - 1) a + q P / R + S / D``, where P =
+  4 (sum over the compressed matrices of r (n + m) + U + 1) bytes (``payload_bytes``, from
+  the tensors' ``shapes``), C covers the gather, P = M Q and Q = M^T P, D the
+  approximation P Q^T and the scatter. The bytes do not grow with p (2 q P), and neither
+  does the compute; the latency grows as 6 (p - 1) a.
 
 ``crossover(...)`` is the smallest p at which an algorithm stops paying against the fp32
 ring (its prediction is at least the ring's); ``best(...)`` the cheapest of a set of
@@ -44,7 +50,7 @@ constants, options and sizes on every rank), so every rank makes the same choice
 import math
 
 __all__ = ["Link", "Rates", "LINKS", "DEFAULT_LINK", "RATES", "link_from", "payload_bytes", "bytes_per_rank", "predict",
-           "best", "crossover"]
+           "best", "crossover", "powersgd_split"]
 
 GBIT = 1e9 / 8
 
@@ -134,10 +140,33 @@ RATES = {
     "fp16": Rates(22.9e9, 25.2e9), "bf16": Rates(21.3e9, 25.9e9),
     "1bit": Rates(11.5e9, 32.5e9), "2bit": Rates(8.0e9, 19.0e9),
     "topk": Rates(5.4e9, 28.3e9), "randomk": Rates(12.0e9, 26.9e9),
+    # PowerSGD's whole compute at its default rank 1 on ResNet-50 (gather, Gram-Schmidt, the
+    # BLAS products, scatter), ``OMP_NUM_THREADS=1 python -m gradfuse.bench powersgd``
+    # (docs/compressors.md, "PowerSGD"); rank 4 computes about 1.5x as long
+    "powersgd": Rates(3.4e9, 2.7e9),
 }
 
 SPARSE = ("topk", "randomk")
-ALGORITHMS = ("ring", "allreduce", "allgather", "twophase", "sparse_allreduce")
+ALGORITHMS = ("ring", "allreduce", "allgather", "twophase", "sparse_allreduce", "powersgd")
+
+
+def powersgd_split(shapes, rank=1, min_rate=2.0):
+    """``(compressed elements, floats sent)`` of PowerSGD on tensors of ``shapes``: a tensor
+    of two or more dimensions is the matrix (shape[0], rest) of rank r = min(n, m, rank),
+    compressed when (n + m) r * min_rate < n m (torch's rule); it sends r (n + m) floats,
+    every other tensor its elements (``gradfuse.compressors.powersgd.Layout``)."""
+    done = sent = 0
+    for s in shapes:
+        count = math.prod(int(d) for d in s)
+        if len(s) >= 2 and count:
+            n, m = int(s[0]), count // int(s[0])
+            r = min(n, m, int(rank))
+            if (n + m) * r * min_rate < n * m:
+                done += count
+                sent += r * (n + m)
+                continue
+        sent += count
+    return done, sent
 
 
 def _name_options(compressor, options):
@@ -152,9 +181,10 @@ def _k(ratio, n):
     return 0 if n == 0 else min(n, max(1, math.ceil(ratio * n)))
 
 
-def payload_bytes(compressor, n, options=None, counts=None):
+def payload_bytes(compressor, n, options=None, counts=None, shapes=None):
     """One rank's payload in bytes for a bucket of n elements (with the 8-byte header;
-    ``counts``: the tensors' element counts, for per-tensor formats; default one tensor).
+    ``counts``: the tensors' element counts, for per-tensor formats; default one tensor;
+    ``shapes``: the tensors' shapes, for PowerSGD; default each tensor 1-D).
 
     ``compressor``: a name or a compressor object (its ``options`` are used).
     """
@@ -162,6 +192,9 @@ def payload_bytes(compressor, n, options=None, counts=None):
     counts = tuple(counts) if counts else (n,)
     if name == "none":
         return 4 * n
+    if name == "powersgd":        # P's, Q's, the uncompressed values and the flag, summed
+        shapes = tuple(shapes) if shapes else tuple((c,) for c in counts)
+        return 4 * (powersgd_split(shapes, opts.get("rank", 1), opts.get("min_compression_rate", 2.0))[1] + 1)
     if name in ("fp16", "bf16"):
         return 2 * n
     if name == "1bit":
@@ -192,7 +225,7 @@ def _sparse_values(name, n, opts, counts):
     return 4 * sum(_k(float(opts.get("ratio", 0.01)), c) for c in counts)
 
 
-def bytes_per_rank(compressor, algorithm, n, p, options=None, counts=None):
+def bytes_per_rank(compressor, algorithm, n, p, options=None, counts=None, shapes=None):
     """Bytes one rank sends for a bucket of n elements on p ranks with ``algorithm``."""
     name, opts = _name_options(compressor, options)
     q = (p - 1) / p
@@ -200,9 +233,11 @@ def bytes_per_rank(compressor, algorithm, n, p, options=None, counts=None):
         return 2 * q * 4 * n
     if algorithm == "allreduce":
         return 2 * q * 2 * n
-    P = payload_bytes(name, n, opts, counts)
+    P = payload_bytes(name, n, opts, counts, shapes)
     if algorithm == "allgather":
         return (p - 1) * P
+    if algorithm == "powersgd":
+        return 2 * q * P
     if algorithm == "twophase":
         return 2 * q * P
     if algorithm == "sparse_allreduce":
@@ -210,17 +245,18 @@ def bytes_per_rank(compressor, algorithm, n, p, options=None, counts=None):
     raise ValueError(f"cost model: unknown algorithm {algorithm!r} (one of {', '.join(ALGORITHMS)})")
 
 
-def predict(compressor, algorithm, n, p, link, rates=None, options=None, counts=None):
+def predict(compressor, algorithm, n, p, link, rates=None, options=None, counts=None, shapes=None):
     """Predicted seconds of one bucket's exchange (compress, wire, decode; see the module
     docstring for each formula).
 
     Args:
         compressor: a name (``"none"``, ``"fp16"``, ``"1bit"``, ...) or a compressor object.
-        algorithm: ``"ring"``, ``"allreduce"``, ``"allgather"``, ``"twophase"`` or
-            ``"sparse_allreduce"``.
+        algorithm: ``"ring"``, ``"allreduce"``, ``"allgather"``, ``"twophase"``,
+            ``"sparse_allreduce"`` or ``"powersgd"``.
         n, p: the bucket's float32 elements and the number of ranks.
         link: a ``Link`` or anything ``link_from`` takes.
         rates: ``Rates`` (default ``RATES[name]``; ``none`` computes nothing).
+        counts, shapes: the bucket's tensor counts (per-tensor formats) and shapes (PowerSGD).
     Returns: seconds (float). ``p == 1`` costs only the compute of a compressing
     algorithm (there is no wire).
 
@@ -232,15 +268,17 @@ def predict(compressor, algorithm, n, p, link, rates=None, options=None, counts=
     if p < 1 or n < 0:
         raise ValueError(f"cost model: need p >= 1 and n >= 0, got p={p}, n={n}")
     S, B, a, q = 4.0 * n, link.bandwidth, link.latency, (p - 1) / p
-    wire = bytes_per_rank(name, algorithm, n, p, opts, counts) / B
-    steps = (p - 1) * (1 if algorithm == "allgather" else 2)
+    wire = bytes_per_rank(name, algorithm, n, p, opts, counts, shapes) / B
+    steps = (p - 1) * (1 if algorithm == "allgather" else 6 if algorithm == "powersgd" else 2)
     t = wire + steps * a
     if algorithm == "ring":
         return t + q * S / r.reduce
     comp = S / r.compress
     if algorithm == "allreduce":
         return t + comp + q * S / r.reduce + S / r.decode
-    P = payload_bytes(name, n, opts, counts)
+    P = payload_bytes(name, n, opts, counts, shapes)
+    if algorithm == "powersgd":
+        return t + comp + q * P / r.reduce + S / r.decode
 
     def decode(m, frac=1.0):
         if name in SPARSE:
@@ -256,20 +294,23 @@ def predict(compressor, algorithm, n, p, link, rates=None, options=None, counts=
     raise ValueError(f"cost model: unknown algorithm {algorithm!r}")
 
 
-def best(compressor, algorithms, n, p, link, rates=None, options=None, counts=None):
+def best(compressor, algorithms, n, p, link, rates=None, options=None, counts=None, shapes=None):
     """The cheapest of ``algorithms`` for this bucket (ties: the first listed), by ``predict``."""
-    costs = [(predict(compressor, a, n, p, link, rates, options, counts), i, a) for i, a in enumerate(algorithms)]
+    costs = [(predict(compressor, a, n, p, link, rates, options, counts, shapes), i, a)
+             for i, a in enumerate(algorithms)]
     return min(costs)[2]
 
 
-def crossover(compressor, algorithm, n, link, rates=None, options=None, p_max=4096, baseline="ring"):
+def crossover(compressor, algorithm, n, link, rates=None, options=None, p_max=4096, baseline="ring",
+              counts=None, shapes=None):
     """The smallest p in [2, p_max] at which ``algorithm`` is predicted no faster than the
     fp32 ``baseline`` for a bucket of n elements (None if it pays up to ``p_max``).
 
     Example: ``crossover("1bit", "allgather", 25_557_032, "1gbit")`` is about 55 (GRACE-style figures: 2-bit about 29, top-k 1 % about 100).
     """
     def loses(p):
-        return predict(compressor, algorithm, n, p, link, rates, options) >= predict("none", baseline, n, p, link)
+        return (predict(compressor, algorithm, n, p, link, rates, options, counts, shapes)
+                >= predict("none", baseline, n, p, link))
 
     if loses(2):
         return 2

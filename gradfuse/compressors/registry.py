@@ -10,6 +10,7 @@ from .base import BucketContext, Compressor, NoneCompressor
 from .bf16 import BF16
 from .fp16 import FP16
 from .onebit import OneBit
+from .powersgd import PowerSGD
 from .randomk import RandomK
 from .topk import TopK
 from .twobit import TwoBit
@@ -81,6 +82,6 @@ def create(name=None, **options):
     return cls(**options)
 
 
-for _cls in (NoneCompressor, FP16, BF16, OneBit, TwoBit, TopK, RandomK):
+for _cls in (NoneCompressor, FP16, BF16, OneBit, TwoBit, TopK, RandomK, PowerSGD):
     register_compressor(_cls.name, _cls)
 

@@ -1,7 +1,8 @@
 """GPU kernels of gradfuse: the CUDA twins of ``gradfuse._core``, loaded through cupy.
 
 The kernels live in ``cuda/*.cu`` (package data ``gradfuse.cuda``), one file per family:
-``pack.cu``, ``cast.cu``, ``onebit.cu``, ``twobit.cu``, ``sparse.cu``, ``momentum.cu``, ``adam.cu``. Each file is
+``pack.cu``, ``cast.cu``, ``onebit.cu``, ``twobit.cu``, ``sparse.cu``, ``momentum.cu``, ``adam.cu``,
+``powersgd.cu``. Each file is
 compiled at run time by NVRTC (the one cupy loads) with exactly ``OPTIONS`` (no FMA
 contraction, IEEE division, no flush to zero) for the device's architecture, kept in
 cupy's kernel cache directory, and loaded with ``cupy.RawModule(path=...)`` once per
@@ -27,7 +28,7 @@ The package, one concern per module (each imports only modules before it in this
 ``loader`` (kernel sources, NVRTC, the compiled-module caches, ``cupy()``), ``launch``
 (argument checks, tables, launch geometry: what every wrapper shares), one module of
 wrappers per kernel file (``packing`` for ``pack.cu``, ``cast``, ``onebit``, ``twobit``,
-``sparse``, ``momentum``, ``adam``), and ``verify`` (``compile_all``, ``check_subnormals``). This module only
+``sparse``, ``momentum``, ``adam``, ``powersgd``), and ``verify`` (``compile_all``, ``check_subnormals``). This module only
 re-exports their public names: ``gradfuse.gpu`` is the kernel module of the GPU path,
 with the same function names and signatures as ``gradfuse._core``.
 """
@@ -44,6 +45,7 @@ from .sparse import (randomk_compress, randomk_compress_array, randomk_indices, 
                      sparse_decompress_sum_array, topk_compress, topk_compress_array)
 from .momentum import momentum_mask, momentum_update
 from .adam import adam_apply, adam_moment, adam_onebit_compress, adam_plain
+from .powersgd import psgd_gather, psgd_orthogonalize, psgd_scatter
 from .verify import check_subnormals, compile_all
 
 __all__ = [
@@ -63,6 +65,7 @@ __all__ = [
     "sparse_decompress_sum_array", "topk_compress", "topk_compress_array",
     "momentum_mask", "momentum_update",
     "adam_apply", "adam_moment", "adam_onebit_compress", "adam_plain",
+    "psgd_gather", "psgd_orthogonalize", "psgd_scatter",
     # verify
     "check_subnormals", "compile_all",
 ]

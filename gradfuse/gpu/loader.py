@@ -85,6 +85,7 @@ FAMILIES = {
                "gf_sp_take", "gf_sp_rk_draw", "gf_sp_pick"),
     "momentum": ("gf_momentum_update", "gf_momentum_mask"),
     "adam": ("gf_adam_moment", "gf_adam_onebit_compress_table", "gf_adam_apply", "gf_adam_plain"),
+    "powersgd": ("gf_psgd_orthogonalize", "gf_psgd_gather", "gf_psgd_scatter"),
 }
 
 _cp = None

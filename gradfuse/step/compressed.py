@@ -63,7 +63,7 @@ def compressed_jobs(step, comm, divisor):
                                                              entry.plan.order[b.lo:b.hi].tolist())
         job = job_class(comp, b.count, comm.size, link=cfg.link, counts=counts)
         if cfg.only_if_faster and b.code == _F32 and not pays(comp, job.algorithm, b.count, comm.size, cfg.link,
-                                                               counts):
+                                                               counts, shapes):
             step.unpaid.add(b.index)      # after check_finite, with its residual (uncompressed())
             continue
         n_res, n_server = job.residual_sizes(comp, b.count, comm, counts=counts)

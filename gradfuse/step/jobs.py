@@ -2,17 +2,18 @@
 
 Each algorithm lives in its own module (``exchange``: allgather and the 16-bit allreduce;
 ``twophase``: the two-phase compressed allreduce; ``sparse_allreduce``: random-k's values
-summed at the shared positions). A compressor names its collective (``collective``, or
+summed at the shared positions; ``powersgd``: PowerSGD's three allreduces). A compressor names its collective (``collective``, or
 ``algorithm_for``); ``register_job`` adds a job class for a new one. A job may run several
 dependent collectives in its ``exchange()`` (two-phase runs an alltoall, sums, then an
 allgather): the step runs every job through the same three stages whatever it holds.
 """
 from .exchange import AllgatherJob, AllreduceJob, BucketJob, BucketTask  # noqa: F401
+from .powersgd import PowerSGDJob
 from .sparse_allreduce import SparseAllreduceJob
 from .twophase import TwoPhaseJob
 from ..compressors import cost
 
-JOBS = {job.algorithm: job for job in (AllgatherJob, AllreduceJob, TwoPhaseJob, SparseAllreduceJob)}
+JOBS = {job.algorithm: job for job in (AllgatherJob, AllreduceJob, TwoPhaseJob, SparseAllreduceJob, PowerSGDJob)}
 
 
 def register_job(cls):
@@ -37,6 +38,7 @@ def job_class(comp, n, p, link=None, counts=None):
     return JOBS[comp.algorithm_for(n, p, link=link, counts=counts)]
 
 
-def pays(comp, algorithm, n, p, link, counts):
+def pays(comp, algorithm, n, p, link, counts, shapes=None):
     """Whether the cost model predicts the compressed exchange faster than the fp32 ring."""
-    return cost.predict(comp, algorithm, n, p, link, counts=counts) < cost.predict("none", "ring", n, p, link)
+    return (cost.predict(comp, algorithm, n, p, link, counts=counts, shapes=shapes)
+            < cost.predict("none", "ring", n, p, link))

@@ -489,7 +489,7 @@ cuda = _Cuda()
 
 _ARG = {np.dtype(np.int64): ctypes.c_int64, np.dtype(np.int32): ctypes.c_int32,
         np.dtype(np.uint64): ctypes.c_uint64, np.dtype(np.float32): ctypes.c_float,
-        np.dtype(np.uint32): ctypes.c_uint32}
+        np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.float64): ctypes.c_double}
 
 
 def _build(code):

@@ -45,6 +45,12 @@ inline float __fsub_rn(float a, float b) { return emu_gpu_nan(a - b); }
 inline float __fmul_rn(float a, float b) { return emu_gpu_nan(a * b); }
 inline float __fdiv_rn(float a, float b) { return emu_gpu_nan(a / b); }
 inline float __fsqrt_rn(float a) { return emu_gpu_nan(__builtin_sqrtf(a)); }
+// double arithmetic: one IEEE operation each (the GPU's double ops round to nearest too)
+inline double __dadd_rn(double a, double b) { return a + b; }
+inline double __dsub_rn(double a, double b) { return a - b; }
+inline double __dmul_rn(double a, double b) { return a * b; }
+inline double __ddiv_rn(double a, double b) { return a / b; }
+inline double __dsqrt_rn(double a) { return __builtin_sqrt(a); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v)
 {

@@ -1,0 +1,105 @@
+"""PowerSGD's compute on one process, stage by stage: ``python -m gradfuse.bench powersgd``.
+
+On ResNet-50's gradient set (or ``--set``), at each ``--ranks`` (approximation ranks), the
+stages of ``gradfuse.step.powersgd.PowerSGDJob`` one after the other, as one bucket of
+every tensor: the gather with the residual (``psgd_gather``), Gram-Schmidt of Q and of P
+(``psgd_orthogonalize``), the products P = M Q, Q = M^T P and M^ = P Q^T (BLAS through
+numpy), and the scatter with the new residual (``psgd_scatter``); the median of
+``--rounds`` rounds each. Printed: ms per stage, the orthogonalization's share of the
+compute, and the rates the cost model takes (``cost.RATES["powersgd"]``: compress = S /
+(gather, both Gram-Schmidts and the P and Q products), decode = S / (M^ and the scatter),
+S the gradient bytes); beside them a whole one-rank ``Pipeline`` step.
+"""
+import argparse
+import time
+
+import numpy as np
+
+from .sets import make_set, resnet50_shapes
+
+
+def _median(fn, rounds):
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def stages(shapes, rank, rounds):
+    """{stage: median seconds} of PowerSGD's compute on tensors of ``shapes`` at ``rank``."""
+    from .. import _core as K
+    from ..compressors.powersgd import Layout
+    lay = Layout(shapes, rank, 2.0)
+    grads = make_set(shapes, 1)
+    ptrs = np.array([g.ctypes.data for g in grads], np.int64)
+    cnt = np.array([g.size for g in grads], np.int64)
+    e = np.zeros(lay.nw, np.float32)
+    W, U = np.empty(lay.nw, np.float32), np.empty(lay.nu, np.float32)
+    P, Q, A = np.empty(lay.np_, np.float32), np.empty(lay.nq, np.float32), np.empty(lay.nw, np.float32)
+    Q[:] = np.random.default_rng(0).standard_normal(lay.nq, dtype=np.float32)
+    e_out = np.empty(lay.nw, np.float32)
+    outs = [np.empty_like(g) for g in grads]
+    optr = np.array([o.ctypes.data for o in outs], np.int64)
+
+    def products(kind):
+        for (w, n, m, r, po, qo) in lay.mats:
+            Mk, Pk, Qk = W[w:w + n * m].reshape(n, m), P[po:po + n * r].reshape(n, r), Q[qo:qo + m * r].reshape(m, r)
+            if kind == "P":
+                np.matmul(Mk, Qk, out=Pk)
+            elif kind == "Q":
+                np.matmul(Mk.T, Pk, out=Qk)
+            elif r == 1:
+                np.multiply(Pk, Qk.T, out=A[w:w + n * m].reshape(n, m))
+            else:
+                np.matmul(Pk, Qk.T, out=A[w:w + n * m].reshape(n, m))
+
+    fns = {
+        "gather": lambda: K.psgd_gather(ptrs, cnt, lay.route, 0, len(grads), e, W, U),
+        "orthogonalize Q": lambda: K.psgd_orthogonalize(Q, *lay.q_tab, 0.0),
+        "P = M Q": lambda: products("P"),
+        "orthogonalize P": lambda: K.psgd_orthogonalize(P, *lay.p_tab, 0.0),
+        "Q = M^T P": lambda: products("Q"),
+        "M^ = P Q^T": lambda: products("A"),
+        "scatter": lambda: K.psgd_scatter(optr, cnt, lay.route, 0, len(grads), A, W, e_out, U, 2.0),
+    }
+    for fn in fns.values():
+        fn()
+    return {k: _median(f, rounds) for k, f in fns.items()}, lay, sum(g.nbytes for g in grads)
+
+
+def pipeline_step(shapes, rank, rounds):
+    """Median seconds of a whole one-rank Pipeline step (every stage, no wire)."""
+    from ..comm.single import SingleProcessCommunicator
+    from ..pipeline import Pipeline
+    grads = make_set(shapes, 1)
+    pipe = Pipeline(compress="powersgd", rank=rank, comm=SingleProcessCommunicator())
+    pipe.allreduce_(grads)
+    return _median(lambda: pipe.allreduce_(grads), rounds)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m gradfuse.bench powersgd", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ranks", default="1,2,4", help="approximation ranks, e.g. 1,4")
+    ap.add_argument("--rounds", type=int, default=9)
+    args = ap.parse_args(argv)
+    shapes = resnet50_shapes()
+    print("| rank | " + " | ".join(["gather", "orth Q", "P = M Q", "orth P", "Q = M^T P", "M^ = P Q^T", "scatter"])
+          + " | compute ms | orthogonalization share | compress GB/s | decode GB/s | 1-rank step ms | "
+            "compressed share | floats sent |")
+    print("|---:|" + "---:|" * 13)
+    for r in [int(x) for x in args.ranks.split(",")]:
+        t, lay, S = stages(shapes, r, args.rounds)
+        total = sum(t.values())
+        orth = t["orthogonalize Q"] + t["orthogonalize P"]
+        comp = total - t["M^ = P Q^T"] - t["scatter"]
+        dec = t["M^ = P Q^T"] + t["scatter"]
+        step = pipeline_step(shapes, r, args.rounds)
+        print(f"| {r} | " + " | ".join(f"{v * 1e3:.1f}" for v in t.values())
+              + f" | {total * 1e3:.1f} | {orth / total:.1%} | {S / comp / 1e9:.2f} | {S / dec / 1e9:.2f} | "
+                f"{step * 1e3:.1f} | {lay.compressed_share:.3f} | {lay.floats} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+# Kernels: PowerSGD (Gram-Schmidt over a bucket's matrices, the gather with the residual,
+# the scatter with the new residual). Included by _core.pyx. The math is in _powersgd.h
+# and docs/compressors.md ("PowerSGD"); tests/ref_powersgd.py is its numpy twin,
+# cuda/powersgd.cu the GPU twin.
+
+cdef extern from "_powersgd.h" nogil:
+    void gf_psgd_orthogonalize(float* base, const int64_t* offsets, const int64_t* rows, const int64_t* cols,
+                               int64_t count, double eps)
+    int64_t gf_psgd_gather(const int64_t* src, const int64_t* counts, const int64_t* route, int64_t lo,
+                           int64_t hi, const float* e, float* W, float* U)
+    void gf_psgd_scatter(const int64_t* dst, const int64_t* counts, const int64_t* route, int64_t lo,
+                         int64_t hi, const float* A, const float* W, float* e_out, const float* U, float divisor)
+
+
+def psgd_orthogonalize(float[::1] base, const int64_t[::1] offsets, const int64_t[::1] rows,
+                       const int64_t[::1] cols, double eps=0.0):
+    """Gram-Schmidt, in place, on each matrix ``b`` of ``base``: ``rows[b]`` x ``cols[b]``
+    float32, row-major at ``offsets[b]``; the columns become orthonormal, in order. A zero
+    column stays zero; ``eps`` is added to every column's norm (torch's
+    ``orthogonalization_epsilon``). The sums are in double, in the GPU warp's order
+    (``_powersgd.h``)."""
+    cdef Py_ssize_t count = offsets.shape[0], b
+    cdef Py_ssize_t size = base.shape[0]
+    if rows.shape[0] != count or cols.shape[0] != count:
+        raise ValueError(f"psgd_orthogonalize: offsets, rows and cols must have the same length, got "
+                         f"{count}, {rows.shape[0]}, {cols.shape[0]}")
+    if not (eps >= 0.0) or eps == float("inf"):
+        raise ValueError(f"psgd_orthogonalize: eps must be finite and >= 0, got {eps!r}")
+    for b in range(count):
+        if offsets[b] < 0 or rows[b] < 0 or cols[b] < 0 or offsets[b] + rows[b] * cols[b] > size:
+            raise ValueError(f"psgd_orthogonalize: matrix {b} ({rows[b]} x {cols[b]} at {offsets[b]}) lies "
+                             f"outside the buffer of {size} floats")
+    if count == 0 or size == 0:
+        return
+    with nogil:
+        gf_psgd_orthogonalize(&base[0], &offsets[0], &rows[0], &cols[0], count, eps)
+
+
+cdef int _psgd_check(str who, const int64_t[::1] ptrs, const int64_t[::1] counts, const int64_t[::1] route,
+                     Py_ssize_t lo, Py_ssize_t hi, Py_ssize_t nw, Py_ssize_t nu) except -1:
+    cdef Py_ssize_t i, to
+    if lo < 0 or lo > hi or hi > ptrs.shape[0] or hi > counts.shape[0]:
+        raise IndexError(f"{who}: table range {lo}:{hi} outside a table of "
+                         f"{min(ptrs.shape[0], counts.shape[0])} rows")
+    if route.shape[0] != hi - lo:
+        raise ValueError(f"{who}: route has {route.shape[0]} entries for {hi - lo} rows")
+    for i in range(lo, hi):
+        if counts[i] < 0:
+            raise ValueError(f"{who}: row {i} has a negative count")
+        if counts[i] == 0:
+            continue
+        if ptrs[i] == 0:
+            raise ValueError(f"{who}: row {i} has a null address")
+        to = route[i - lo]
+        if to >= 0 and to + counts[i] > nw:
+            raise ValueError(f"{who}: row {i} ({counts[i]} floats at W[{to}]) lies outside W of {nw}")
+        if to < 0 and -1 - to + counts[i] > nu:
+            raise ValueError(f"{who}: row {i} ({counts[i]} floats at U[{-1 - to}]) lies outside U of {nu}")
+    return 0
+
+
+def psgd_gather(const int64_t[::1] src_ptrs, const int64_t[::1] counts, const int64_t[::1] route,
+                Py_ssize_t lo, Py_ssize_t hi, const float[::1] e, float[::1] W, float[::1] U):
+    """Rows lo..hi-1 of a float32 table into the matrices ``W`` (``route[i - lo] >= 0``: at
+    that offset, plus the residual ``e`` at the same offsets; ``e`` empty: none) and the
+    uncompressed values ``U`` (``route < 0``: at ``-1 - route``). Returns the number of
+    non-finite values written."""
+    cdef int64_t bad = 0
+    cdef const float* ep = NULL
+    cdef float* wp = NULL
+    cdef float* up = NULL
+    _psgd_check("psgd_gather", src_ptrs, counts, route, lo, hi, W.shape[0], U.shape[0])
+    if e.shape[0]:
+        if e.shape[0] != W.shape[0]:
+            raise ValueError(f"psgd_gather: e has {e.shape[0]} elements and W {W.shape[0]}")
+        ep = &e[0]
+    if W.shape[0]:
+        wp = &W[0]
+    if U.shape[0]:
+        up = &U[0]
+    if hi <= lo:
+        return 0
+    with nogil:
+        bad = gf_psgd_gather(&src_ptrs[0], &counts[0], &route[0], lo, hi, ep, wp, up)
+    return bad
+
+
+def psgd_scatter(const int64_t[::1] dst_ptrs, const int64_t[::1] counts, const int64_t[::1] route,
+                 Py_ssize_t lo, Py_ssize_t hi, const float[::1] A, const float[::1] W, float[::1] e_out,
+                 const float[::1] U, double divisor):
+    """The step's results into rows lo..hi-1: ``route >= 0`` rows get the approximation
+    ``A`` (and ``e_out = W - A`` at the same offsets; ``e_out`` empty: none), ``route < 0``
+    rows ``U / divisor`` (float32)."""
+    cdef float d = <float> divisor
+    cdef float* eo = NULL
+    cdef const float* ap = NULL
+    cdef const float* wp = NULL
+    cdef const float* up = NULL
+    if not (d == d) or d == 0 or d == float("inf"):
+        raise ValueError(f"psgd_scatter: divisor must be finite and non-zero as a float32, got {divisor!r}")
+    _psgd_check("psgd_scatter", dst_ptrs, counts, route, lo, hi, A.shape[0], U.shape[0])
+    if W.shape[0] != A.shape[0]:
+        raise ValueError(f"psgd_scatter: A has {A.shape[0]} elements and W {W.shape[0]}")
+    if e_out.shape[0]:
+        if e_out.shape[0] != A.shape[0]:
+            raise ValueError(f"psgd_scatter: e_out has {e_out.shape[0]} elements and A {A.shape[0]}")
+        eo = &e_out[0]
+    if A.shape[0]:
+        ap, wp = &A[0], &W[0]
+    if U.shape[0]:
+        up = &U[0]
+    if hi <= lo:
+        return
+    with nogil:
+        gf_psgd_scatter(&dst_ptrs[0], &counts[0], &route[0], lo, hi, ap, wp, eo, up, d)
