@@ -87,7 +87,7 @@ def test_digits_example_gpu_branch_on_simt_emulator():
         code, out, timed_out = run_limited(cmd, timeout=300, env=env, cwd=ROOT)
         assert not timed_out and code == 0, out[-6000:]
         rows = sorted(line for line in out.splitlines() if line.startswith("| ") and "compressor" not in line)
-        assert len(rows) == 7 and all(r.rstrip().endswith("| yes |") for r in rows), out[-3000:]
+        assert len(rows) == 8 and all(r.rstrip().endswith("| yes |") for r in rows), out[-3000:]
         tables.append(rows)
     assert tables[0] == tables[1], tables
 

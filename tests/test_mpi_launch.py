@@ -195,7 +195,7 @@ def test_compression_accuracy_example():
     assert not timed_out and code == 0, out
     rows = {line.split("|")[1].strip(): line.split("|")[2:5] for line in out.splitlines()
             if line.startswith("| ") and not line.startswith("| compressor")}
-    assert set(rows) == {"none", "fp16", "bf16", "1bit", "2bit", "topk", "randomk"}, out
+    assert set(rows) == {"none", "fp16", "bf16", "1bit", "2bit", "topk", "randomk", "powersgd"}, out
     for name, (acc, _, same) in rows.items():
         assert same.strip() == "yes", (name, out)
     assert float(rows["none"][0]) > 0.85 and float(rows["1bit"][0]) > 0.85, out
