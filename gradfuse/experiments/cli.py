@@ -8,15 +8,20 @@
 Results go to ``experiments-out/<grid name>/`` unless ``--out`` says otherwise; a second
 invocation with the same output directory resumes (finished runs are skipped).
 Exit status: 0 when every run finished (ok or diverged), 1 when a run failed or was
-refused, 2 for a bad command line or grid.
+refused, 2 for a bad command line or grid, before any run starts and any file is written:
+--experiments or --methods naming nothing in the grid (the message lists the valid
+names), an --out that cannot be written, a --timeout that is not a number > 0. Without
+matplotlib the runs and tables are made and the plots are not (one message says so first).
 """
 import argparse
+import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 
-from .grid import GridError, expand, load_grid, to_toml
+from .grid import GridError, expand, load_grid, select, to_toml
 from .launch import LaunchError
 
 
@@ -31,7 +36,29 @@ def _ints(text, flag):
 
 
 def _names(text):
-    return [v.strip() for v in text.split(",") if v.strip()] if text else None
+    return None if text is None else [v.strip() for v in text.split(",") if v.strip()]
+
+
+def _seconds(text):
+    try:
+        v = float(text)
+    except ValueError:
+        v = None
+    if v is None or not math.isfinite(v) or v <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return v
+
+
+def _check_out(out):
+    """Make ``out`` and write a scratch file in it, so that an unwritable --out stops us
+    before any run, not at the first result."""
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".gradfuse-write-check-", dir=out)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as exc:
+        raise GridError(f"--out {out!r} cannot be written: {exc.strerror or exc}") from None
 
 
 def parser():
@@ -51,13 +78,14 @@ def parser():
     p.add_argument("--fresh", action="store_true", help="rerun finished runs instead of skipping them")
     p.add_argument("--keep-stale", action="store_true", help="also skip runs finished with another gradfuse "
                                                             "build (by default they are run again)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (default 900)")
+    p.add_argument("--timeout", type=_seconds, default=900.0, help="seconds one run may take (default 900)")
     p.add_argument("--mpiexec", help="mpiexec to use (default: beside the interpreter, then PATH)")
     p.add_argument("--no-plots", action="store_true", help="write no PNG figures")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--report", action="store_true", help="run nothing: rebuild tables and plots from the "
                                                         "finished runs")
-    p.add_argument("--list", action="store_true", help="print the runs of the grid and exit")
+    p.add_argument("--list", action="store_true", help="print the runs of the grid (after --experiments and "
+                                                      "--methods) and exit")
     p.add_argument("--print-grid", action="store_true", help="print the grid as TOML and exit")
     return p
 
@@ -89,7 +117,8 @@ def main(argv=None):
         if args.print_grid:
             sys.stdout.write(to_toml(grid))
             return 0
-        specs = expand(grid)
+        experiments, methods = _names(args.experiments), _names(args.methods)
+        specs = select(expand(grid), experiments, methods, flags=("--experiments", "--methods"))
         if args.list:
             for s in specs:
                 print(f"{s.id}\t{s.experiment}\t{s.label}\tseed {s.seed}\t{s.workers} workers\t{s.epochs} epochs")
@@ -97,9 +126,10 @@ def main(argv=None):
             return 0
         from .runner import run_grid
         out = args.out or os.path.join("experiments-out", grid.get("name", "grid"))
+        _check_out(out)
         res = run_grid(grid, out, fresh=args.fresh, timeout=args.timeout, mpiexec=args.mpiexec,
                        progress=not args.no_progress, make_plots=not args.no_plots,
-                       experiments=_names(args.experiments), methods=_names(args.methods), run=not args.report,
+                       experiments=experiments, methods=methods, run=not args.report,
                        keep_stale=args.keep_stale)
     except (GridError, LaunchError) as exc:
         print(f"gradfuse-experiments: error: {exc}", file=sys.stderr)

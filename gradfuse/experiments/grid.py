@@ -316,6 +316,43 @@ def expand(grid):
     return runs
 
 
+def select(specs, experiments=None, methods=None, flags=("experiments=", "methods=")):
+    """Keep only the runs of the named experiments and methods (None keeps all).
+
+    ``methods`` holds method labels (``'1bit no EF'``) or compressor names (``'topk'``),
+    matched within the chosen experiments. A name that matches no run is an error, so a
+    typo never selects nothing (or less than asked) in silence.
+
+    Args:
+        specs: the ``RunSpec`` of a grid (``expand``).
+        experiments, methods: lists of names, or None.
+        flags: what to call the two filters in messages (the CLI passes its options).
+
+    Raises:
+        GridError: an empty filter, or a name that matches no run; it lists the valid names.
+    """
+    if experiments is not None:
+        valid = list(dict.fromkeys(s.experiment for s in specs))
+        _check_names(flags[0], experiments, valid, "experiment", f"valid experiments: {', '.join(valid)}")
+        specs = [s for s in specs if s.experiment in experiments]
+    if methods is not None:
+        labels = list(dict.fromkeys(s.label for s in specs))
+        names = list(dict.fromkeys(s.compress for s in specs))
+        where = f" of experiment(s) {', '.join(experiments)}" if experiments else ""
+        _check_names(flags[1], methods, labels + names, f"run{where}",
+                     f"valid method labels: {', '.join(map(repr, labels))}; compressor names: {', '.join(names)}")
+        specs = [s for s in specs if s.label in methods or s.compress in methods]
+    return specs
+
+
+def _check_names(flag, asked, valid, what, listing):
+    if not asked:
+        raise GridError(f"{flag} is empty; {listing}")
+    unknown = [a for a in asked if a not in valid]
+    if unknown:
+        raise GridError(f"{flag} {', '.join(map(repr, unknown))} matches no {what}; {listing}")
+
+
 def correction_options(spec, trainer_params=(), compressors=None):
     """Trainer keywords that realise ``spec.momentum_correction``, or ``UnsupportedError``.
 

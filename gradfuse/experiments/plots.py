@@ -31,6 +31,19 @@ def _plt():
     return plt
 
 
+def unavailable():
+    """Why the figures cannot be drawn in this process (matplotlib missing or broken), or None.
+
+    The runner asks before it trains, so a missing ``experiments`` extra costs the plots,
+    not the runs.
+    """
+    try:
+        _plt()
+    except ImportError as exc:
+        return f"matplotlib cannot be imported ({exc})"
+    return None
+
+
 def _series(rows, key):
     """{label: (epochs, matrix seeds x epochs of key, matrix of bytes)} for one experiment."""
     by_label = {}

@@ -13,7 +13,7 @@ import sys
 import time
 
 from . import plots, results, tables
-from .grid import expand
+from .grid import expand, select
 from .launch import find_mpiexec, run_one
 from .tasks import TASKS
 
@@ -47,15 +47,6 @@ def _metric(p):
     return f"{m:.4g}"
 
 
-def select(specs, experiments=None, methods=None):
-    """Keep only the runs of the named experiments / method labels (None keeps all)."""
-    if experiments:
-        specs = [s for s in specs if s.experiment in experiments]
-    if methods:
-        specs = [s for s in specs if s.label in methods or s.compress in methods]
-    return specs
-
-
 def run_grid(grid, out_dir, fresh=False, timeout=900.0, mpiexec=None, progress=True, make_plots=True,
              experiments=None, methods=None, run=True, keep_stale=False):
     """Run (or resume) ``grid`` into ``out_dir`` and write its tables and plots.
@@ -67,8 +58,11 @@ def run_grid(grid, out_dir, fresh=False, timeout=900.0, mpiexec=None, progress=T
         timeout: seconds one run may take before it is killed and reported.
         mpiexec: path of mpiexec (default: beside sys.executable, then PATH).
         progress: show the tqdm bar.
-        make_plots: write the PNG figures into ``out_dir/plots``.
-        experiments, methods: run only these experiments / method labels or names.
+        make_plots: write the PNG figures into ``out_dir/plots``; without matplotlib the
+            runner says so before it trains, and writes the tables only.
+        experiments, methods: run only these experiments / method labels or names
+            (``grid.select``: a name that matches no run raises ``GridError`` before any file
+            is touched).
         run: False only rebuilds tables and plots from the finished runs.
         keep_stale: also skip runs finished with another gradfuse build (``fingerprint``);
             by default they are run again, so a table never mixes builds unasked.
@@ -79,6 +73,13 @@ def run_grid(grid, out_dir, fresh=False, timeout=900.0, mpiexec=None, progress=T
     """
     t0 = time.perf_counter()
     specs = select(expand(grid), experiments, methods)
+    if make_plots:
+        why = plots.unavailable()
+        if why:
+            print(f"gradfuse-experiments: {why}: the runs and tables are made, the plots are not (pip install "
+                  f"'gradfuse[experiments]' for them; --no-plots or make_plots=False silences this)",
+                  file=sys.stderr, flush=True)
+            make_plots = False
     store = results.Store(out_dir)
     build = results.fingerprint()
     done = {s.id for s in specs if not fresh and store.done(s.id, None if keep_stale else build)}
