@@ -28,6 +28,8 @@ import contextlib
 
 import mxnet as mx
 
+from ..compressors import randomk
+from ..compressors.policy import LayerPolicy
 from . import adam as _adam
 
 SUPPORTED = {mx.optimizer.SGD: False, mx.optimizer.NAG: True}      # class -> Nesterov
@@ -66,6 +68,7 @@ def setup(optimizer, compress, options, requested, who, adam_requested=None):
         raise TypeError(f"{who}: momentum_correction must be None, True or False, got {requested!r}")
     kind = type(optimizer)
     m = float(getattr(optimizer, "momentum", 0.0) or 0.0)
+    _warn_delayed_update(compress, options, m, who)
     if requested is None:
         if kind not in SUPPORTED or m <= 0 or not _adam.corrected_by_default(compress, options):
             return compress, options, None
@@ -83,6 +86,18 @@ def setup(optimizer, compress, options, requested, who, adam_requested=None):
     compress, options = _adam.with_options(compress, options, {"momentum": m, "nesterov": nesterov},
                                            "momentum correction")
     return compress, options, Correction(m, nesterov)
+
+
+def _warn_delayed_update(compress, options, momentum, who):
+    """Random-k at a small ratio with error feedback meeting the optimizer's momentum
+    (``gradfuse.compressors.randomk.warn_delayed_update``; once per process)."""
+    if momentum < randomk.DELAY_MOMENTUM:
+        return
+    try:
+        policy = LayerPolicy.create(compress, 0, **options)
+    except (TypeError, ValueError):
+        return                         # the trainer's own checks name what is wrong
+    randomk.warn_delayed_update(policy.compressors[1:], momentum, who)
 
 
 def upcoming_lr(opt, indices):

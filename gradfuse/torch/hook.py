@@ -25,6 +25,8 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
+from ..compressors import randomk
+from ..compressors.policy import LayerPolicy
 from ..pipeline import Pipeline
 from ..step.stats import Stats
 from . import adam as _adam
@@ -34,6 +36,18 @@ from . import regroup as _regroup
 from .comm import TorchCommunicator
 
 _HUGE = 1 << 40        # one DDP bucket = one gradfuse bucket, never split, never reduced "direct"
+
+
+def _delayed_update(state, optimizer):
+    m = max((float(g.get("momentum", 0) or 0) for g in optimizer.param_groups), default=0.0)
+    if m < randomk.DELAY_MOMENTUM:
+        return
+    opts = {k: v for k, v in state._opts.items() if k not in ("min_elements", "nonfinite")}
+    try:
+        policy = LayerPolicy.create(state.compress, 0, **opts)
+    except (TypeError, ValueError):
+        return
+    randomk.warn_delayed_update(policy.compressors[1:], m, f"gradfuse.torch: {type(optimizer).__name__}")
 
 
 class CompressionState:
@@ -134,7 +148,10 @@ class CompressionState:
         With ``adam``: warn (once) when the optimizer would apply Adam (or momentum) again,
         and refuse a ``scaler`` (an enabled ``torch.amp.GradScaler``) with a ValueError;
         without either: warn when an Adam-family optimizer meets a lossy compressor
-        (``gradfuse.torch.adam.check_optimizer``)."""
+        (``gradfuse.torch.adam.check_optimizer``). Apart from these, random-k below ratio 0.1
+        with error feedback warns once per process when the optimizer's momentum is 0.5 or
+        more (``gradfuse.compressors.randomk.warn_delayed_update``)."""
+        _delayed_update(self, optimizer)
         if self.adam is not None or not self.momentum:
             return _adam.check_optimizer(self, optimizer, scaler)
         if self._warned:
