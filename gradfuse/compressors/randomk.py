@@ -66,7 +66,8 @@ def warn_delayed_update(compressors, momentum, who):
                 f"sent about once every {1 / r:.0f} steps, so this is a delayed update of about {1 / r:.0f} steps "
                 f"(Stich and Karimireddy, 2019), and in gradfuse's experiments random-k at ratio 0.01 did not "
                 f"train the digits CNN at lr 0.1, momentum 0.9, where top-k at the same ratio did. Use "
-                f"compress='topk' or a ratio >= {DELAY_RATIO:g}. (Warned once per process.)", DelayedUpdateWarning, stacklevel=3)
+                f"compress='topk' or a ratio >= {DELAY_RATIO:g}. (Warned once per process.)",
+                DelayedUpdateWarning, stacklevel=3)
             return True
     return False
 
