@@ -37,7 +37,7 @@ import time
 def link_bps(text):
     """Bits per second of ``--link``, read as ``emu_cluster.py`` reads it
     (``gradfuse.bench.netns.parse_link``: ``300mbit``, a preset such as ``1gbit``)."""
-    from gradfuse.bench.netns import parse_link
+    from .netns import parse_link
     try:
         return parse_link(text.replace("/", ":"))[2]
     except ValueError as exc:
@@ -99,11 +99,11 @@ def main(argv=None):
 
     from mpi4py import MPI
 
-    import gradfuse
-    from gradfuse.bench.sets import make_set, resnet50_shapes
-    from gradfuse.runtime import timeline
+    from ..pipeline import Pipeline
+    from ..runtime import context, timeline
+    from .sets import make_set, resnet50_shapes
 
-    gradfuse.init()
+    context.init()
     world = MPI.COMM_WORLD
     me = world.Get_rank()
     grads = make_set(resnet50_shapes(), 1 + me)
@@ -117,7 +117,7 @@ def main(argv=None):
               "CPU in softirq |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for method in a.methods:
-        pipe = gradfuse.Pipeline(compress=method)
+        pipe = Pipeline(compress=method)
         for _ in range(5):
             pipe.allreduce_(grads)
         path = os.path.join(tmp, f"{method}-{me}.json")

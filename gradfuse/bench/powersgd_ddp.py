@@ -41,7 +41,7 @@ def _run(method, seed, rank, size, ds, args):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as ps
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import gradfuse.torch as gt
+    from .. import torch as gt
     xtr, ytr, xte, yte = ds
     torch.manual_seed(seed)
     model = _net(torch)
@@ -89,7 +89,7 @@ def main(argv=None):
     import torch
     import torch.distributed as dist
 
-    import gradfuse.torch as gt
+    from .. import torch as gt
     rank, size = gt.init_process_group("gloo")
     ds = _data(torch)
     acc = {m: [] for m in methods}

@@ -45,11 +45,12 @@ def bytes_main(argv=None):
     a = ap.parse_args(argv)
     from mpi4py import MPI
 
-    import gradfuse
-    from gradfuse.compressors import available
+    from ..compressors import available
+    from ..pipeline import Pipeline
+    from ..runtime import context
     names = _names(a.compress, "--compress", available())
     sets = _names(a.sets, "--sets", GRADIENT_SETS)
-    gradfuse.init()
+    context.init()
     world = MPI.COMM_WORLD
     rows = []
     for set_name in sets:
@@ -58,7 +59,7 @@ def bytes_main(argv=None):
         nbytes = sum(g.nbytes for g in grads)
         ring = 2 * nbytes * (world.size - 1) / world.size
         for name in names:
-            pipe = gradfuse.Pipeline(compress=None if name == "none" else name)
+            pipe = Pipeline(compress=None if name == "none" else name)
             pipe.allreduce(grads)
             sent = pipe.stats.bytes_sent if name != "none" else ring
             ratio = f"{ring / sent:.1f}x" if sent else "-"
@@ -105,12 +106,13 @@ def memory_main(argv=None):
             opts[key] = value                         # names stay strings: 1bit:algorithm=twophase
     from mpi4py import MPI
 
-    import gradfuse
-    gradfuse.init()
+    from ..pipeline import Pipeline
+    from ..runtime import context
+    context.init()
     world = MPI.COMM_WORLD
     grads = {f"t{i}": g for i, g in enumerate(make_set(resnet50_shapes(), world.rank))}
     nbytes = sum(g.nbytes for g in grads.values())
-    pipe = gradfuse.Pipeline(compress=None if name == "none" else name, **opts)
+    pipe = Pipeline(compress=None if name == "none" else name, **opts)
     world.Barrier()
     before = _rss()
     for _ in range(a.steps):
@@ -172,7 +174,7 @@ def cost_main(argv=None):
     ap.add_argument("--latency-us", type=float, default=50.0, help="per-message latency (default 50 us)")
     ap.add_argument("--ranks", default="2,4,8,16,32,64,128,256", help="comma-separated rank counts")
     a = ap.parse_args(argv)
-    from gradfuse.compressors import cost
+    from ..compressors import cost
     try:
         ranks = [int(p) for p in _names(a.ranks, "--ranks")]
     except ValueError:
