@@ -8,7 +8,13 @@
 # MODES and NS override the modes and world sizes; T the stall timeout.
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-BIN="${BIN:-$(dirname "$(command -v mpiexec || echo /work/devenv/venv/bin/mpiexec)")}"
+# BIN: the folder with mpiexec and python (default: the checkout's .venv/bin, as README sets
+# it up, else where mpiexec is on PATH)
+if [ -z "${BIN:-}" ]; then
+  if [ -x "$ROOT/.venv/bin/mpiexec" ]; then BIN="$ROOT/.venv/bin"
+  elif command -v mpiexec >/dev/null; then BIN="$(dirname "$(command -v mpiexec)")"
+  else echo "measure_rank_death.sh: no mpiexec in $ROOT/.venv/bin or on PATH; set BIN" >&2; exit 2; fi
+fi
 PLAIN="${1:-}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" GRADFUSE_STALL_TIMEOUT_S="${T:-5}"
 MARK="measure-$$"

@@ -1,16 +1,13 @@
-#!/usr/bin/env python
-"""Where a link-bound compressed step's time goes beyond its wire time (issue 16, "close to
-the bound"), from the step's own timeline. On the emulated cluster of docs/network.md, as
-root:
+"""Where a link-bound compressed step's time goes beyond its wire time, from the step's own
+timeline. On the emulated cluster of docs/network.md, as root:
 
     scripts/emu_cluster.py --hosts 2 --link 300mbit -- $PWD/.venv/bin/python \\
-        scripts/link_idle.py --link 300mbit --steps 8 1bit 2bit
+        -m gradfuse.bench link-idle --link 300mbit --steps 8 1bit 2bit
 
 ResNet-50's gradients, in-place ``allreduce_`` steps of a ``Pipeline`` at its defaults
 (pipelined exchange groups), 5 untimed steps, then ``--steps`` timed ones with the
 timeline on (``gradfuse.runtime.timeline``, the spans ``GRADFUSE_TIMELINE`` writes). Rank
 0 splits each timed step, from its spans, into
-
 * *before the first post*: the step's start until its first exchange group is posted
   (negotiation and the compression of the first group);
 * *link idle*: the gaps between exchange spans (a group's exchange span runs from its post,
@@ -33,19 +30,14 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
 
 
 def link_bps(text):
     """Bits per second of ``--link``, read as ``emu_cluster.py`` reads it
     (``gradfuse.bench.netns.parse_link``: ``300mbit``, a preset such as ``1gbit``)."""
-    from gradfuse.bench.netns import parse_link
+    from .netns import parse_link
     try:
         return parse_link(text.replace("/", ":"))[2]
     except ValueError as exc:
@@ -94,26 +86,24 @@ def account(step):
             "pass": part["max |x|"] * ms, "agree": part["agree"] * ms}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m gradfuse.bench link-idle", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("methods", nargs="+", help="compressors (Pipeline's compress=)")
     ap.add_argument("--link", required=True, help="the hosts' link rate, as given to emu_cluster.py")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--early-share", type=float, default=None,
-                    help="grouped.EARLY_SHARE for this run (default: as shipped)")
-    a = ap.parse_args()
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per method (default 8)")
+    a = ap.parse_args(argv)
+    if a.steps < 1:
+        ap.error(f"--steps must be at least 1, got {a.steps}")
     bps = link_bps(a.link)
 
     from mpi4py import MPI
 
-    import gradfuse
-    from gradfuse.bench.sets import make_set, resnet50_shapes
-    from gradfuse.runtime import timeline
+    from ..pipeline import Pipeline
+    from ..runtime import context, timeline
+    from .sets import make_set, resnet50_shapes
 
-    gradfuse.init()
-    if a.early_share is not None:
-        from gradfuse.step import grouped
-        grouped.EARLY_SHARE = a.early_share
+    context.init()
     world = MPI.COMM_WORLD
     me = world.Get_rank()
     grads = make_set(resnet50_shapes(), 1 + me)
@@ -127,7 +117,7 @@ def main():
               "CPU in softirq |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for method in a.methods:
-        pipe = gradfuse.Pipeline(compress=method)
+        pipe = Pipeline(compress=method)
         for _ in range(5):
             pipe.allreduce_(grads)
         path = os.path.join(tmp, f"{method}-{me}.json")
@@ -162,7 +152,3 @@ def main():
         for f in os.listdir(tmp):
             os.unlink(os.path.join(tmp, f))
         os.rmdir(tmp)
-
-
-if __name__ == "__main__":
-    main()

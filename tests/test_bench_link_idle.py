@@ -1,20 +1,14 @@
-"""scripts/link_idle.py's accounting of a step from its timeline spans: before the first post,
+"""gradfuse.bench.link_idle's accounting of a step from its timeline spans: before the first post,
 link idle (no exchange span open), the union of the exchange spans, after the last one, and
 the verdict's two parts. Synthetic spans, in microseconds as the trace has them."""
-import importlib.util
-import os
-
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from gradfuse.bench import link_idle as link_idle_module
 
 
 @pytest.fixture(scope="module")
 def link_idle():
-    spec = importlib.util.spec_from_file_location("link_idle", os.path.join(ROOT, "scripts", "link_idle.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return link_idle_module
 
 
 def span(cat, ts, dur, **args):
