@@ -17,8 +17,9 @@ pipeline's checkpointed state, so a restored run draws the same positions.
 
 With error feedback, random-k at ratio r sends each element about once every 1/r steps,
 so the update is a delayed one of about 1/r steps (Stich and Karimireddy, 2019, "The
-error-feedback framework"); at ratio 0.01 with SGD momentum 0.9 and lr 0.1 it did not
-train the digits CNN in gradfuse's experiments, where top-k at the same ratio did.
+error-feedback framework"); at ratios 0.01 and 0.1 with SGD momentum 0.9 and lr 0.1 it did
+not train the digits CNN in gradfuse's experiments (0.25 did), where top-k at 0.01 did
+(docs/choosing.md).
 ``warn_delayed_update`` says so, once per process, wherever gradfuse sees both: a
 random-k compressor made with DGC's momentum correction (``momentum=``), and the
 trainers and the torch hook's ``check_optimizer``, which see the optimizer's momentum.
@@ -33,7 +34,7 @@ from .topk import check_ratio, ks_for
 
 M64 = (1 << 64) - 1
 #: random-k below this ratio, with error feedback, meeting momentum at or above DELAY_MOMENTUM warns
-DELAY_RATIO, DELAY_MOMENTUM = 0.1, 0.5
+DELAY_RATIO, DELAY_MOMENTUM = 0.25, 0.5
 _warned = False            # warn_delayed_update warns once per process
 
 
@@ -64,8 +65,8 @@ def warn_delayed_update(compressors, momentum, who):
             warnings.warn(
                 f"{who}: random-k at ratio {r:g} with error feedback and momentum {momentum:g}: each element is "
                 f"sent about once every {1 / r:.0f} steps, so this is a delayed update of about {1 / r:.0f} steps "
-                f"(Stich and Karimireddy, 2019), and in gradfuse's experiments random-k at ratio 0.01 did not "
-                f"train the digits CNN at lr 0.1, momentum 0.9, where top-k at the same ratio did. Use "
+                f"(Stich and Karimireddy, 2019), and in gradfuse's experiments random-k at ratios 0.01 and 0.1 did "
+                f"not train the digits CNN at lr 0.1, momentum 0.9, where top-k at 0.01 did. Use "
                 f"compress='topk' or a ratio >= {DELAY_RATIO:g}. (Warned once per process.)",
                 DelayedUpdateWarning, stacklevel=3)
             return True
