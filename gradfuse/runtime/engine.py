@@ -65,6 +65,11 @@ class Engine:
         self._queue.put((fn, handle))
         return handle
 
+    def on_thread(self):
+        """Whether the caller is this engine's communication thread (a job, or a callback
+        of one): it cannot wait for a job queued behind the one it runs."""
+        return threading.current_thread() is self._thread
+
     def _loop(self):
         while True:
             item = self._queue.get()
