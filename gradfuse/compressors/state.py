@@ -336,7 +336,12 @@ class CompressionState:
         if on_mismatch not in ON_MISMATCH:
             raise ValueError(f"on_mismatch must be one of {', '.join(map(repr, ON_MISMATCH))}, got {on_mismatch!r}")
         _ckpt.check_state(sd, where)
-        diffs = [f"compressor {d}" for d in _ckpt.differences(sd["compressor"], config)]
+        saved_c = sd["compressor"]
+        if isinstance(saved_c, dict) and isinstance(config, dict) and saved_c.get("name") != config.get("name"):
+            saved_c, config_c = {"name": saved_c.get("name")}, {"name": config.get("name")}   # its options follow
+        else:
+            config_c = config
+        diffs = [f"compressor {d}" for d in _ckpt.differences(saved_c, config_c)]
         if options is not None and sd.get("options") is not None:
             diffs += [f"option {d}" for d in _ckpt.differences(sd["options"], options)
                       if not d.startswith("compress:")]
