@@ -216,7 +216,7 @@ class Pipeline:
         return self.state.state_dict(self._policy.get_config(), self.comm.size, self.comm.rank,
                                      self._state_options())
 
-    def load_state_dict(self, sd, on_mismatch="raise", where="the state_dict"):
+    def load_state_dict(self, sd, on_mismatch="raise", where="the state_dict", check_only=False):
         """Restore a ``state_dict()`` (after the steps in flight have finished).
 
         The state is validated first (finite values, dtypes and sizes, counters >= 0, for
@@ -230,10 +230,13 @@ class Pipeline:
 
         Returns:
             True if the state was restored, False if it was reset (``on_mismatch="reset"``).
+            With ``check_only``: the same checks and errors, and nothing changed (what it
+            would return).
         """
-        self._settle("load_state_dict")
+        if not check_only:
+            self._settle("load_state_dict")
         return self.state.load_state_dict(sd, self._policy.get_config(), self.comm.size, self.comm.rank,
-                                          self._state_options(), on_mismatch, where)
+                                          self._state_options(), on_mismatch, where, check_only)
 
     def save_state(self, path):
         """Save this rank's state to ``path`` (numpy .npz, no pickle). Call it on every rank

@@ -329,10 +329,11 @@ class CompressionState:
         return sd
 
     def load_state_dict(self, sd, config, world_size, rank, options=None, on_mismatch="raise",
-                        where="the state_dict"):
+                        where="the state_dict", check_only=False):
         """Restore ``sd`` (module docstring); returns True if it was restored, False if it
         was replaced by a fresh state (``on_mismatch="reset"``). ``where`` names it in the
-        messages (the file it was read from)."""
+        messages (the file it was read from); ``check_only``: raise what it would raise, and
+        change nothing."""
         if on_mismatch not in ON_MISMATCH:
             raise ValueError(f"on_mismatch must be one of {', '.join(map(repr, ON_MISMATCH))}, got {on_mismatch!r}")
         _ckpt.check_state(sd, where)
@@ -347,11 +348,13 @@ class CompressionState:
                       if not d.startswith("compress:")]
         if sd["world_size"] == world_size and sd.get("rank", rank) != rank:
             diffs.append(f"it is rank {sd.get('rank')}'s state and this is rank {rank} (each rank loads its own)")
+        if diffs and on_mismatch == "raise":
+            raise GradfuseError(f"gradfuse: {where} does not fit this pipeline: {'; '.join(diffs)}. Nothing was "
+                                f"loaded and the live state is unchanged; to start this pipeline from a fresh "
+                                f"state instead, load with on_mismatch='reset'")
+        if check_only:
+            return not diffs
         if diffs:
-            if on_mismatch == "raise":
-                raise GradfuseError(f"gradfuse: {where} does not fit this pipeline: {'; '.join(diffs)}. Nothing was "
-                                    f"loaded and the live state is unchanged; to start this pipeline from a fresh "
-                                    f"state instead, load with on_mismatch='reset'")
             warnings.warn(f"gradfuse: {where} does not fit this pipeline ({'; '.join(diffs)}); on_mismatch='reset': "
                           f"starting from a fresh state (step 0, zero residuals)", RuntimeWarning, stacklevel=3)
             self.buckets.clear()
