@@ -336,3 +336,16 @@ def test_the_table_covers_every_array_a_compressor_keeps(comm):
             seen.update(p for p in ("residual", "server_residual", "velocity") if b.get(p) is not None)
             seen.update(b.get("arrays", {}))
     assert seen == set(ckpt.ARRAYS)
+
+
+def test_a_save_follows_a_link_and_writes_a_device_in_place(comm, tmp_path):
+    pipe = trained(comm)
+    real = tmp_path / "real.npz"
+    pipe.save_state(str(real))
+    link = tmp_path / "latest.npz"
+    link.symlink_to(real)
+    pipe.allreduce(grads(7))
+    pipe.save_state(str(link))
+    assert link.is_symlink() and ckpt.load_npz(str(link))["step"] == 4
+    ckpt.atomic_write("/dev/null", lambda f: f.write(b"state"))     # written in place, not replaced
+    assert not os.path.isfile("/dev/null") and os.path.exists("/dev/null")

@@ -73,9 +73,14 @@ _PARTS = ("residual", "server_residual", "velocity")
 
 def atomic_write(path, write):
     """Write ``path`` through ``write(f)`` (``f`` a binary file object) so that it is either
-    the old file or the whole new one, also after a crash (module docstring)."""
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
+    the old file or the whole new one, also after a crash (module docstring). A link is
+    followed (the file it names is replaced); a device or pipe is written in place."""
+    path = os.path.realpath(os.fspath(path))      # a link keeps pointing at the new file
+    if os.path.exists(path) and not os.path.isfile(path):
+        with open(path, "wb") as f:               # a device or a pipe (/dev/null): written in place
+            write(f)
+        return
+    folder = os.path.dirname(path)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
