@@ -86,14 +86,21 @@ def test_a_save_fsyncs_the_file_and_its_folder_then_renames(comm, tmp_path, monk
 
 
 def test_a_save_during_a_step_in_flight_holds_one_whole_step(comm, tmp_path):
-    """allreduce_async of 4M elements still running: the saved step counter and every residual
-    are those of the finished step (before, the counter was new and the residual half old)."""
+    """allreduce_async of 4M elements not finished (held behind a job on the communication
+    thread): the saved step counter and every residual are those of the finished step
+    (before, the save read whatever the step had written so far)."""
     pipe = gradfuse.Pipeline("1bit", comm=comm)
     big = lambda t: {"w": np.random.default_rng(t).standard_normal(4_000_000).astype(F32)}   # noqa: E731
     pipe.allreduce(big(0))
+    gate = threading.Event()
+    pipe._ctx.engine.submit(gate.wait, "test gate")      # the step below stays in flight until it opens
     h = pipe.allreduce_async(big(1))
+    opener = threading.Timer(0.3, gate.set)
+    opener.start()
     pipe.save_state(str(tmp_path / "s.npz"))
+    assert gate.is_set()
     h.wait()
+    opener.join()
     saved = ckpt.load_npz(str(tmp_path / "s.npz"))
     live = pipe.state_dict()
     assert saved["step"] == live["step"] == 2
