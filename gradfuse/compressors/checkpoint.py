@@ -161,7 +161,8 @@ def save_npz(sd, path):
     write_npz(path, meta, arrays)
 
 
-_BAD = (zipfile.BadZipFile, EOFError, ValueError, OSError, KeyError, TypeError, zlib.error, struct.error,
+#: what reading a damaged .npz raises (numpy, zipfile, zlib, json): each becomes a GradfuseError naming the file
+READ_ERRORS = (zipfile.BadZipFile, EOFError, ValueError, OSError, KeyError, TypeError, zlib.error, struct.error,
         UnicodeDecodeError)
 
 
@@ -188,7 +189,7 @@ def read_npz(path, what, known=()):
                             f"{head[:16]!r})")
     try:
         z = np.load(path, allow_pickle=False)
-    except _BAD as e:
+    except READ_ERRORS as e:
         raise GradfuseError(f"gradfuse: {where} is truncated or corrupt ({type(e).__name__}: {e})") from None
     if not hasattr(z, "files") or "meta" not in z.files:
         names = sorted(z.files) if hasattr(z, "files") else []
@@ -198,7 +199,7 @@ def read_npz(path, what, known=()):
                             f"{names[:8]}{' ...' if len(names) > 8 else ''}): not a gradfuse state file")
     try:
         meta = json.loads(z["meta"].tobytes().decode())
-    except _BAD as e:
+    except READ_ERRORS as e:
         z.close()
         raise GradfuseError(f"gradfuse: {where}: its metadata cannot be read ({type(e).__name__}: {e}); the file "
                             f"is truncated or corrupt") from None
@@ -220,7 +221,7 @@ def load_npz(path):
             return unpack(meta, z, where)
         except GradfuseError:
             raise
-        except _BAD as e:
+        except READ_ERRORS as e:
             raise GradfuseError(f"gradfuse: {where} is truncated or corrupt ({type(e).__name__}: {e})") from None
 
 

@@ -202,7 +202,7 @@ def _read_side(path):
             states = [_ckpt.unpack(m, z, where, prefix=f"p{g}/") for g, m in enumerate(meta["pipelines"])]
         except GradfuseError:
             raise
-        except _ckpt._BAD as e:
+        except _ckpt.READ_ERRORS as e:
             raise GradfuseError(f"gradfuse: {where} is truncated or corrupt ({type(e).__name__}: {e})") from None
     corr = meta.get("correction")
     if corr is not None:
