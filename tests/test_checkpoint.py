@@ -356,3 +356,9 @@ def test_a_save_follows_a_link_and_writes_a_device_in_place(comm, tmp_path):
     assert link.is_symlink() and ckpt.load_npz(str(link))["step"] == 4
     ckpt.atomic_write("/dev/null", lambda f: f.write(b"state"))     # written in place, not replaced
     assert not os.path.isfile("/dev/null") and os.path.exists("/dev/null")
+
+
+def test_a_save_into_a_missing_folder_names_the_file(comm, tmp_path):
+    path = str(tmp_path / "nowhere" / "s.npz")
+    with pytest.raises(FileNotFoundError, match=rf"cannot write '{path}'.*No such file or directory"):
+        trained(comm).save_state(path)

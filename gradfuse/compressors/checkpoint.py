@@ -82,7 +82,11 @@ def atomic_write(path, write):
         return
     folder = os.path.dirname(path)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except OSError as e:           # named by the file asked for, not by the temporary one
+        raise type(e)(e.errno, f"gradfuse: cannot write {path!r} (a temporary file in {folder!r} first): "
+                               f"{e.strerror}") from None
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
