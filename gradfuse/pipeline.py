@@ -144,7 +144,9 @@ class Pipeline:
                              f"gradient: it needs average=True")
         self._pipeline_buckets = config.pipeline_buckets(pipeline_buckets)
         self._lock = threading.Lock()
-        self._last = None             # the Handle of the last step submitted (``_settle``)
+        # the done event of the last step submitted (``_settle``): not its Handle, whose result
+        # would keep the step's outputs referenced (the output pool reuses unreferenced ones)
+        self._last = None
         self._ctx = runtime.context(comm)
         self.comm = self._ctx.comm
         self.stats = Stats()
@@ -199,10 +201,11 @@ class Pipeline:
                 # whatever went wrong here is announced to the other ranks, so that they raise
                 # too instead of waiting for this rank (or pairing with its next call)
                 request = Request("allreduce", error=exc)
-                self._last = self._ctx.engine.submit(lambda: self._refuse(request), "allreduce")
+                handle = self._ctx.engine.submit(lambda: self._refuse(request), "allreduce")
             else:
-                self._last = self._ctx.engine.submit(step, "allreduce")
-            return self._last
+                handle = self._ctx.engine.submit(step, "allreduce")
+            self._last = handle.done_event
+            return handle
 
     def state_dict(self):
         """This rank's compressor state (residuals, server residuals, step counter, an
@@ -276,16 +279,13 @@ class Pipeline:
         """Wait until this pipeline's steps submitted so far have finished (their errors
         are their callers'): the state is then that of whole steps."""
         last = self._last
-        if last is None or last.done():
+        if last is None or last.is_set():
             return
         if self._ctx.engine.on_thread():
             raise GradfuseError(f"gradfuse: Pipeline.{what}() was called on the communication thread while a step "
                                 f"of this pipeline is queued or in flight; it cannot wait for that step there, and "
                                 f"its state would be torn: call it from the training thread")
-        try:
-            last.wait()
-        except Exception:      # noqa: BLE001  (the step's error is raised to its own caller)
-            pass
+        last.wait()            # the step's error, if any, is raised to its own caller
 
     def _refuse(self, request):
         self.stats.failed_steps += 1

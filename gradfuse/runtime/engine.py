@@ -35,6 +35,11 @@ class Handle:
         """True when the collective has finished (successfully or not)."""
         return self._event.is_set()
 
+    @property
+    def done_event(self):
+        """A ``threading.Event`` set when the collective has finished (it holds no result)."""
+        return self._event
+
     def wait(self, timeout=None):
         """Block until done; return the result or raise the collective's error."""
         if not self._event.wait(timeout):
