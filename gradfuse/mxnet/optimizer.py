@@ -88,7 +88,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         state = dict(self.__dict__)
         state["_reducer"] = None          # a communicator does not pickle
         # this rank's velocities (numpy state dicts) travel; the reducers are made again
-        state["_saved"] = dict(self._saved, **{k: r.state_dicts() for k, r in self._reducers.items()})
+        # (keys are tuples of parameter indices: not keyword arguments)
+        state["_saved"] = {**self._saved, **{k: r.state_dicts() for k, r in self._reducers.items()}}
         state["_reducers"] = {}
         return state
 
