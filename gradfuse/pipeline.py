@@ -40,7 +40,9 @@ from .compressors import adam as _adam
 from .compressors import cost
 from .compressors import momentum as _momentum
 from .compressors.policy import LayerPolicy
-from .compressors.state import CompressionState, load_npz, save_npz
+from .compressors.checkpoint import load_npz, save_npz
+from .compressors.state import CompressionState
+from .errors import GradfuseError
 from .fusion import tables
 from .fusion.cache import PlanCache, PlanRules
 from .runtime import context as runtime
@@ -142,6 +144,9 @@ class Pipeline:
                              f"gradient: it needs average=True")
         self._pipeline_buckets = config.pipeline_buckets(pipeline_buckets)
         self._lock = threading.Lock()
+        # the done event of the last step submitted (``_settle``): not its Handle, whose result
+        # would keep the step's outputs referenced (the output pool reuses unreferenced ones)
+        self._last = None
         self._ctx = runtime.context(comm)
         self.comm = self._ctx.comm
         self.stats = Stats()
@@ -196,32 +201,59 @@ class Pipeline:
                 # whatever went wrong here is announced to the other ranks, so that they raise
                 # too instead of waiting for this rank (or pairing with its next call)
                 request = Request("allreduce", error=exc)
-                return self._ctx.engine.submit(lambda: self._refuse(request), "allreduce")
-            return self._ctx.engine.submit(step, "allreduce")
+                handle = self._ctx.engine.submit(lambda: self._refuse(request), "allreduce")
+            else:
+                handle = self._ctx.engine.submit(step, "allreduce")
+            self._last = handle.done_event
+            return handle
 
     def state_dict(self):
-        """This rank's compressor state (residuals, server residuals, step counter).
+        """This rank's compressor state (residuals, server residuals, step counter, an
+        optimizer correction's arrays), after every step submitted so far has finished.
 
         Plain numpy arrays and JSON-able values; ``load_state_dict`` restores it bit-exactly.
-        Each rank saves and loads its own (see ``save_state``).
+        Each rank saves and loads its own (see ``save_state``). A step still in flight
+        (``allreduce_async``) is waited for, so the state is always that of whole steps.
         """
-        return self.state.state_dict(self._policy.get_config(), self.comm.size, self.comm.rank)
+        self._settle("state_dict")
+        return self.state.state_dict(self._policy.get_config(), self.comm.size, self.comm.rank,
+                                     self._state_options())
 
-    def load_state_dict(self, sd):
-        """Restore a ``state_dict()``. A state from another world size or compressor config
-        is reset with a warning; a residual is only applied to the bucket it was saved for
-        (a changed layout is reported by a warning at the next compressed step). Every rank
-        must restore the same step. Returns True if the state was restored."""
-        return self.state.load_state_dict(sd, self._policy.get_config(), self.comm.size, self.comm.rank)
+    def load_state_dict(self, sd, on_mismatch="raise", where="the state_dict", check_only=False):
+        """Restore a ``state_dict()`` (after the steps in flight have finished).
+
+        The state is validated first (finite values, dtypes and sizes, counters >= 0, for
+        every compressor's arrays: ``gradfuse.compressors.checkpoint``); a state of another
+        compressor config, other options or another rank is refused with a ``GradfuseError``
+        naming ``where`` and each difference, and the live state stays as it was.
+        ``on_mismatch="reset"`` starts from a fresh state instead, with a warning. A state
+        saved on another number of ranks keeps the step counter and what every rank shares
+        (an Adam correction's moments, PowerSGD's Q) and starts the residuals and velocities
+        from zero, with a warning naming them. Every rank must restore the same step.
+
+        Returns:
+            True if the state was restored, False if it was reset (``on_mismatch="reset"``).
+            With ``check_only``: the same checks and errors, and nothing changed (what it
+            would return).
+        """
+        if not check_only:
+            self._settle("load_state_dict")
+        return self.state.load_state_dict(sd, self._policy.get_config(), self.comm.size, self.comm.rank,
+                                          self._state_options(), on_mismatch, where, check_only)
 
     def save_state(self, path):
         """Save this rank's state to ``path`` (numpy .npz, no pickle). Call it on every rank
-        with a per-rank path, e.g. ``f"ckpt/gradfuse-rank{gradfuse.rank()}.npz"``."""
+        with a per-rank path, e.g. ``f"ckpt/gradfuse-rank{gradfuse.rank()}.npz"``.
+
+        The state is that of every step submitted so far (a step in flight is waited for),
+        and the file is replaced atomically: a crash during the save leaves the previous one."""
         save_npz(self.state_dict(), path)
 
-    def load_state(self, path):
-        """Load a file written by ``save_state`` (this rank's own)."""
-        return self.load_state_dict(load_npz(path))
+    def load_state(self, path, on_mismatch="raise"):
+        """Load a file written by ``save_state`` (this rank's own), as ``load_state_dict``
+        does; a file that is not one (missing, empty, truncated, another format) raises
+        ``GradfuseError`` naming it and the problem."""
+        return self.load_state_dict(load_npz(path), on_mismatch, where=f"state file {str(path)!r}")
 
     def get_config(self):
         """The options that reproduce this pipeline: ``Pipeline(**get_config())``."""
@@ -243,6 +275,18 @@ class Pipeline:
                 f"average={self.average}, comm={self.comm!r})")
 
     # --- internals ----------------------------------------------------------------
+    def _settle(self, what):
+        """Wait until this pipeline's steps submitted so far have finished (their errors
+        are their callers'): the state is then that of whole steps."""
+        last = self._last
+        if last is None or last.is_set():
+            return
+        if self._ctx.engine.on_thread():
+            raise GradfuseError(f"gradfuse: Pipeline.{what}() was called on the communication thread while a step "
+                                f"of this pipeline is queued or in flight; it cannot wait for that step there, and "
+                                f"its state would be torn: call it from the training thread")
+        last.wait()            # the step's error, if any, is raised to its own caller
+
     def _refuse(self, request):
         self.stats.failed_steps += 1
         self._ctx.coordinator.negotiate(request, self._cfg.step_tag())      # raises on every rank

@@ -18,7 +18,7 @@ import gradfuse  # noqa: E402
 from gradfuse.comm import SingleProcessCommunicator  # noqa: E402
 from gradfuse.compressors import OneBit, create  # noqa: E402
 from gradfuse.compressors import adam as cadam  # noqa: E402
-from gradfuse.errors import NonFiniteError  # noqa: E402
+from gradfuse.errors import GradfuseError, NonFiniteError  # noqa: E402
 
 F32 = np.float32
 SIZES = (33, 1, 200, 7, 1029)
@@ -274,11 +274,12 @@ def test_old_state_files_load(comm, tmp_path):
     assert "meta" not in sd and all("arrays" not in b for b in sd["buckets"].values())
     again = gradfuse.Pipeline("1bit", comm=comm)
     assert again.load_state(path)
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        adam = gradfuse.Pipeline("1bit", adam="adam", comm=comm)
-        assert not adam.load_state(path)         # another compressor config: reset, with a warning
-    assert any("compressor state reset" in str(x.message) for x in w)
+    adam = gradfuse.Pipeline("1bit", adam="adam", comm=comm)
+    with pytest.raises(GradfuseError, match=r"old\.npz.* does not fit this pipeline: compressor adam: saved unset, "
+                                            r"here 'adam'"):
+        adam.load_state(path)                    # another compressor config: refused, naming the option
+    with pytest.warns(RuntimeWarning, match="on_mismatch='reset': starting from a fresh state"):
+        assert not adam.load_state(path, on_mismatch="reset")
 
 
 # ------------------------------------------------------------------ non-finite steps

@@ -10,6 +10,7 @@ from itself by 2e-7 to 1.8e-6 after 100 steps on these nets (float32 noise; meas
 writing this test): the MLP here runs at lr 0.05, where that noise is 3-6e-7.
 """
 import os
+import re
 import tempfile
 
 import numpy as np
@@ -188,3 +189,40 @@ def test_allreduce_grads_then_update_with_correction_needs_the_batch_size():
     assert rel(flat(a), flat(b)) < 1e-6, rel(flat(a), flat(b))
     plain = hvd.DistributedTrainer(mlp().collect_params(), "sgd", dict(p), momentum_correction=False)
     assert plain._correction is None      # without the correction Gluon's split step is unchanged
+
+
+def test_distributed_optimizer_states_in_gluons_pickle_resume_and_are_validated():
+    """DistributedOptimizer's velocities ride inside Gluon's optimizer-state pickle (before,
+    pickling it with the correction on failed: its keys are tuples): a resume continues bit
+    for bit, and the restored states pass the same validation as a Pipeline's: NaN is
+    refused, naming the parameters."""
+    from gradfuse.errors import GradfuseError
+    p = {"learning_rate": 0.05, "momentum": 0.9}
+    tmp = tempfile.mkdtemp()
+    pfile, sfile = os.path.join(tmp, "params"), os.path.join(tmp, "states")
+
+    def fresh():
+        net = mlp()
+        opt = hvd.DistributedOptimizer(mx.optimizer.create("sgd", **p), compress="1bit")
+        return net, opt, gluon.Trainer(net.collect_params(), opt, kvstore=None)
+    net, opt, tr = fresh()
+    assert opt._correction is not None
+    train(net, tr, 3)
+    net.save_parameters(pfile)
+    tr.save_states(sfile)
+    train(net, tr, 3, start=3)
+    net1, _, tr1 = fresh()
+    net1.load_parameters(pfile)
+    tr1.load_states(sfile)
+    train(net1, tr1, 3, start=3)
+    np.testing.assert_array_equal(flat(net1), flat(net))
+    net2, _, tr2 = fresh()
+    net2.load_parameters(pfile)
+    tr2.load_states(sfile)
+    saved = tr2._updaters[0].optimizer._saved
+    key = next(iter(saved))
+    entry = next(iter(saved[key][0]["buckets"].values()))
+    entry["velocity"][2] = np.nan
+    with pytest.raises(GradfuseError, match=rf"DistributedOptimizer's state of parameters {re.escape(str(list(key)))}"
+                                            rf".*velocity holds nan at element 2"):
+        train(net2, tr2, 1, start=3)

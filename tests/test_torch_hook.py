@@ -139,3 +139,15 @@ def test_without_mpi4py_gradfuse_and_the_torch_binding_import_and_mpi_names_the_
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0 and "NAMED THE EXTRA" in out.stdout, out.stdout + out.stderr
+
+
+def test_pick_gives_each_rank_of_another_world_size_a_saved_state():
+    """A Lightning checkpoint of 2 ranks resumed on 4 (or 1): rank r takes saved rank r % 2's
+    state, whose shared part load_state_dict keeps (before: None, the hook started from zero)."""
+    from gradfuse.torch.checkpoint import RANKS_FORMAT, pick
+    saved = {"format": RANKS_FORMAT, "world_size": 2, "ranks": [{"r": 0}, {"r": 1}]}
+    assert pick(saved, 1, 2) == {"r": 1}
+    assert [pick(saved, r, 4) for r in range(4)] == [{"r": 0}, {"r": 1}, {"r": 0}, {"r": 1}]
+    assert pick(saved, 0, 1) == {"r": 0}
+    with pytest.raises(ValueError, match="says it holds the hook states of 2 ranks and holds 1"):
+        pick(dict(saved, ranks=[{}]), 0, 2)

@@ -23,17 +23,28 @@ Pipeline-wide scalars of a correction (JSON-able) live in ``CompressionState.met
 are written only after a step's verdict, so a refused step leaves them as they were.
 
 ``state_dict()`` holds plain numpy arrays and JSON-able values; restoring it is bit-exact.
-A state saved with another world size or compressor config is reset with a warning; a
-residual is only ever applied to the bucket it was saved for; when the first compressed
-step after a restore finds none of its own, a warning says the layout changed. States
-saved before velocities (or named arrays) existed load with none.
+``load_state_dict`` first validates the whole state (``gradfuse.compressors.checkpoint``) and
+compares it with this pipeline, and changes nothing unless it is restored: a state of
+another compressor config, other pipeline options, or (on as many ranks) another rank is
+refused (``GradfuseError``, naming where it came from and each difference), or with
+``on_mismatch="reset"`` replaced by a fresh state (with a warning). A state saved on another
+number of ranks keeps what is the same on every rank (the step counter, the pipeline-wide
+scalars, the arrays ``checkpoint.ARRAYS`` marks shared) and starts this rank's own
+(residuals, velocities) from zero, with a warning naming them. A residual is only ever
+applied to the bucket it was saved for; when the first compressed step after a restore
+finds none of its own, a warning says the layout changed. States saved before velocities
+(or named arrays, or the options) existed load with none.
 """
 import json
 import warnings
 
 import numpy as np
 
-FORMAT = "gradfuse-state-1"
+from . import checkpoint as _ckpt
+from .checkpoint import FORMAT, load_npz, save_npz  # noqa: F401  (the Pipeline's file format)
+from ..errors import GradfuseError
+
+ON_MISMATCH = ("raise", "reset")
 
 
 class BucketState:
@@ -155,8 +166,9 @@ class BucketState:
         (else both stay zero), the velocity when its size fits; returns whether all fitted."""
         bk = self.bk
         res, srv = saved["residual"], saved["server_residual"]
-        ok = res.size == self.cur.size and srv.size == self.server_cur.size
-        if ok:
+        # none saved (both empty: a warm-up bucket, or zeroed for another world size): zeros
+        ok = res.size == self.cur.size and srv.size == self.server_cur.size or not (res.size or srv.size)
+        if ok and (res.size or srv.size):
             self.bound = float(np.abs(res).max()) if res.size else 0.0
             if res.size:
                 bk.upload(self.cur, res)
@@ -299,7 +311,10 @@ class CompressionState:
                               f"changed); this layout starts from zero residuals, and they are kept "
                               f"only for a layout that matches them", RuntimeWarning, stacklevel=3)
 
-    def state_dict(self, config, world_size, rank):
+    def state_dict(self, config, world_size, rank, options=None):
+        """This state as numpy arrays and JSON-able values, with what it must be restored
+        into: the compressor ``config``, the pipeline ``options`` that key its buckets, the
+        world size and rank."""
         buckets = {}
         for (digest, b), st in self.buckets.items():
             buckets[f"{digest}/{b}"] = st.saved()
@@ -307,79 +322,68 @@ class CompressionState:
             buckets.setdefault(f"{digest}/{b}", saved)
         sd = {"format": FORMAT, "compressor": config, "world_size": world_size, "rank": rank,
               "step": self.step, "buckets": buckets}
+        if options is not None:
+            sd["options"] = json.loads(json.dumps(options))
         if self.meta:
             sd["meta"] = json.loads(json.dumps(self.meta))
         return sd
 
-    def load_state_dict(self, sd, config, world_size, rank):
-        if not isinstance(sd, dict) or sd.get("format") != FORMAT:
-            raise ValueError(f"not a gradfuse state dict (expected format {FORMAT!r})")
-        problem = None
-        if sd["world_size"] != world_size:
-            problem = f"it was saved on {sd['world_size']} ranks and this run has {world_size}"
-        elif sd["compressor"] != config:
-            problem = f"it was saved with compressor {sd['compressor']} and this pipeline has {config}"
-        self.buckets.clear()
-        self.pending.clear()
-        self.meta = {}
-        if problem:
-            warnings.warn(f"gradfuse: compressor state reset: {problem}", RuntimeWarning, stacklevel=3)
-            self.step = 0
+    def load_state_dict(self, sd, config, world_size, rank, options=None, on_mismatch="raise",
+                        where="the state_dict", check_only=False):
+        """Restore ``sd`` (module docstring); returns True if it was restored, False if it
+        was replaced by a fresh state (``on_mismatch="reset"``). ``where`` names it in the
+        messages (the file it was read from); ``check_only``: raise what it would raise, and
+        change nothing."""
+        if on_mismatch not in ON_MISMATCH:
+            raise ValueError(f"on_mismatch must be one of {', '.join(map(repr, ON_MISMATCH))}, got {on_mismatch!r}")
+        _ckpt.check_state(sd, where)
+        saved_c = sd["compressor"]
+        if isinstance(saved_c, dict) and isinstance(config, dict) and saved_c.get("name") != config.get("name"):
+            saved_c, config_c = {"name": saved_c.get("name")}, {"name": config.get("name")}   # its options follow
+        else:
+            config_c = config
+        diffs = [f"compressor {d}" for d in _ckpt.differences(saved_c, config_c)]
+        if options is not None and sd.get("options") is not None:
+            diffs += [f"option {d}" for d in _ckpt.differences(sd["options"], options)
+                      if not d.startswith("compress:")]
+        if sd["world_size"] == world_size and sd.get("rank", rank) != rank:
+            diffs.append(f"it is rank {sd.get('rank')}'s state and this is rank {rank} (each rank loads its own)")
+        if diffs and on_mismatch == "raise":
+            raise GradfuseError(f"gradfuse: {where} does not fit this pipeline: {'; '.join(diffs)}. Nothing was "
+                                f"loaded and the live state is unchanged; to start this pipeline from a fresh "
+                                f"state instead, load with on_mismatch='reset'")
+        if check_only:
+            return not diffs
+        if diffs:
+            warnings.warn(f"gradfuse: {where} does not fit this pipeline ({'; '.join(diffs)}); on_mismatch='reset': "
+                          f"starting from a fresh state (step 0, zero residuals)", RuntimeWarning, stacklevel=3)
+            self.buckets.clear()
+            self.pending.clear()
+            self.meta, self.step = {}, 0
             return False
-        if sd.get("rank") != rank:
-            warnings.warn(f"gradfuse: loading rank {sd.get('rank')}'s compressor state on rank {rank}; "
-                          f"each rank should load its own file", RuntimeWarning, stacklevel=3)
-        self.step = int(sd["step"])
-        self.meta = json.loads(json.dumps(sd.get("meta") or {}))
-        self._fresh_restore, self._claimed_any = True, False
+        pending, zeroed = {}, set()
         for key, saved in sd["buckets"].items():
             digest, b = key.rsplit("/", 1)
-            entry = {"n": int(saved["n"]), "residual": np.asarray(saved["residual"], np.float32).copy(),
-                     "server_residual": np.asarray(saved["server_residual"], np.float32).copy(),
+            entry = {"n": int(saved["n"]), "residual": np.array(saved["residual"], copy=True),
+                     "server_residual": np.array(saved["server_residual"], copy=True),
                      "algorithm": saved.get("algorithm", "allgather")}
             if saved.get("velocity") is not None:
-                entry["velocity"] = np.asarray(saved["velocity"], np.float32).copy()
+                entry["velocity"] = np.array(saved["velocity"], copy=True)
                 entry["velocity_scale"] = float(saved.get("velocity_scale", 1.0))
             if saved.get("arrays"):
                 entry["arrays"] = {k: np.array(a, copy=True) for k, a in saved["arrays"].items()}
-            self.pending[(digest, int(b))] = entry
+            if sd["world_size"] != world_size:
+                entry, lost = _ckpt.for_world_size(entry)
+                zeroed.update(lost)
+            pending[(digest, int(b))] = entry
+        if sd["world_size"] != world_size:
+            warnings.warn(f"gradfuse: {where} was saved on {sd['world_size']} ranks and this run has {world_size}: "
+                          f"restoring the step counter and the state every rank shares, and starting this "
+                          f"rank's own state from zero ({', '.join(sorted(zeroed)) or 'nothing to zero'})",
+                          RuntimeWarning, stacklevel=3)
+        self.buckets.clear()
+        self.pending = pending
+        self.step = int(sd["step"])
+        self.meta = json.loads(json.dumps(sd.get("meta") or {}))
+        self._fresh_restore, self._claimed_any = True, False
         return True
-
-
-def save_npz(sd, path):
-    """Write a ``state_dict()`` to ``path``: numpy .npz, arrays plus JSON metadata, no pickle."""
-    arrays = {}
-    meta = {k: v for k, v in sd.items() if k != "buckets"}
-    meta["buckets"] = {}
-    for i, (key, b) in enumerate(sd["buckets"].items()):
-        arrays[f"r{i}"] = b["residual"]
-        arrays[f"s{i}"] = b["server_residual"]
-        m = {"n": b["n"], "algorithm": b["algorithm"], "i": i}
-        if b.get("velocity") is not None:
-            arrays[f"v{i}"] = b["velocity"]
-            m["velocity_scale"] = float(b.get("velocity_scale", 1.0))
-        if b.get("arrays"):
-            m["arrays"] = sorted(b["arrays"])
-            for name, a in b["arrays"].items():
-                arrays[f"a{i}/{name}"] = a
-        meta["buckets"][key] = m
-    with open(path, "wb") as f:
-        np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-
-
-def load_npz(path):
-    """The ``state_dict()`` that ``save_npz`` wrote to ``path`` (files without velocities or
-    named arrays too)."""
-    with np.load(path, allow_pickle=False) as z:
-        meta = json.loads(z["meta"].tobytes().decode())
-        buckets = {}
-        for key, b in meta["buckets"].items():
-            buckets[key] = {"n": b["n"], "algorithm": b["algorithm"],
-                            "residual": z[f"r{b['i']}"], "server_residual": z[f"s{b['i']}"]}
-            if f"v{b['i']}" in z.files:
-                buckets[key]["velocity"] = z[f"v{b['i']}"]
-                buckets[key]["velocity_scale"] = float(b.get("velocity_scale", 1.0))
-            if b.get("arrays"):
-                buckets[key]["arrays"] = {name: z[f"a{b['i']}/{name}"] for name in b["arrays"]}
-    meta["buckets"] = buckets
-    return meta

@@ -5,6 +5,7 @@ import sys
 import mxnet as mx
 
 from .. import collectives as _coll
+from ..compressors import checkpoint as _ckpt
 from ..compressors.adam import pipeline_adam
 from ..compressors.momentum import pipeline_momentum
 from ..compressors.policy import is_policy, rename
@@ -147,8 +148,8 @@ class KVStore(mx.kvstore.KVStoreBase):
         """Save the store's optimizer states (the same on every rank; call it on one)."""
         if self._updater is None:
             raise NotImplementedError("dist_gradfuse runs no optimizer here: the Trainer saves its states")
-        with open(fname, "wb") as f:
-            f.write(self._updater.get_states(dump_optimizer))
+        states = self._updater.get_states(dump_optimizer)
+        _ckpt.atomic_write(fname, lambda f: f.write(states))      # the old file or the whole new one
 
     def load_optimizer_states(self, fname):
         """Load what ``save_optimizer_states`` wrote (on every rank)."""

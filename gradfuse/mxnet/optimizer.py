@@ -5,13 +5,14 @@ overlapping backward).
 """
 import contextlib
 import os
-import pickle
 import warnings
 from collections import OrderedDict
 
 import mxnet as mx
 
+from ..compressors import checkpoint as _ckpt
 from ..compressors.policy import rename
+from ..errors import GradfuseError
 from .basics import global_process_set, rank
 from . import momentum as _momentum
 from .adam import AdamCorrection
@@ -87,7 +88,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         state = dict(self.__dict__)
         state["_reducer"] = None          # a communicator does not pickle
         # this rank's velocities (numpy state dicts) travel; the reducers are made again
-        state["_saved"] = dict(self._saved, **{k: r.state_dicts() for k, r in self._reducers.items()})
+        # (keys are tuples of parameter indices: not keyword arguments)
+        state["_saved"] = {**self._saved, **{k: r.state_dicts() for k, r in self._reducers.items()}}
         state["_reducers"] = {}
         return state
 
@@ -120,7 +122,8 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         if red is None:
             red = self._reducers[key] = _Reducer(self._process_set, self._compress, self._compressor_options)
             for g, sd in enumerate(self._saved.pop(key, [])):
-                red._pipe(g).load_state_dict(sd)
+                red._pipe(g).load_state_dict(sd, where=f"DistributedOptimizer's state of parameters {list(key)} "
+                                                       f"(from Gluon's optimizer-state pickle)")
         self._corr.prepare(self._optimizer, idx, gs, ws)
         red.scale_velocity(self._corr.lr_factor(self._optimizer, idx, key))
         red.reduce_(gs, [str(i) for i in idx], self._num_groups, predivide=self._gradient_predivide_factor)
@@ -164,8 +167,48 @@ class DistributedOptimizer(mx.optimizer.Optimizer):
         self._optimizer.set_wd_mult(args_wd_mult)
 
 
+SIDE_FORMAT = "gradfuse.mxnet/2"
+_OLD_SIDE = ((b"gradfuse.mxnet/1", "is a gradfuse.mxnet/1 side file: a pickle, written by an earlier gradfuse, which "
+              "this gradfuse does not unpickle. Resume from a checkpoint saved by this version, or start the "
+              "compressor state fresh by loading the optimizer part alone: "
+              "gluon.Trainer.load_states(trainer, fname)"),)
+
+
 def _sidecar(fname):
     return f"{fname}.gradfuse-rank{rank()}"
+
+
+def _write_side(path, states, correction, size):
+    """This rank's compressor state (one state dict per pipeline) as .npz, atomically, no pickle."""
+    meta, arrays = {"format": SIDE_FORMAT, "rank": rank(), "world_size": size, "pipelines": []}, {}
+    for g, sd in enumerate(states):
+        m, a = _ckpt.pack(sd, prefix=f"p{g}/")
+        meta["pipelines"].append(m)
+        arrays.update(a)
+    if correction is not None:
+        # DGC's momentum correction: its last lr per group (keys as JSON lists of pairs)
+        meta["correction"] = dict(correction, last_lr=[[k, v] for k, v in correction.get("last_lr", {}).items()])
+    _ckpt.write_npz(path, meta, arrays)
+
+
+def _read_side(path):
+    """``(state dicts, correction state, where)`` of a side file; GradfuseError naming it when
+    it is missing, empty, truncated, of another format or of an earlier one (refused by name)."""
+    meta, z, where = _ckpt.read_npz(path, "gradfuse side file", _OLD_SIDE)
+    with z:
+        if meta.get("format") != SIDE_FORMAT:
+            raise GradfuseError(f"gradfuse: {where} has format {meta.get('format')!r}; this gradfuse reads "
+                                f"{SIDE_FORMAT!r}")
+        try:
+            states = [_ckpt.unpack(m, z, where, prefix=f"p{g}/") for g, m in enumerate(meta["pipelines"])]
+        except GradfuseError:
+            raise
+        except _ckpt.READ_ERRORS as e:
+            raise GradfuseError(f"gradfuse: {where} is truncated or corrupt ({type(e).__name__}: {e})") from None
+    corr = meta.get("correction")
+    if corr is not None:
+        corr = dict(corr, last_lr={(tuple(k) if isinstance(k, list) else k): v for k, v in corr.get("last_lr", [])})
+    return states, corr, where
 
 
 class DistributedTrainer(mx.gluon.Trainer):
@@ -338,27 +381,45 @@ class DistributedTrainer(mx.gluon.Trainer):
         with self._corr.neutral(self._optimizer):
             return super()._update(ignore_stale_grad)
 
+    def _keeps_state(self):
+        """Whether this trainer's pipelines keep state that a resume needs (a lossy
+        compressor's residuals, or a correction's velocity or moments)."""
+        return self._reducer is not None and (self._corr is not None or not self.pipeline.policy.lossless)
+
     def save_states(self, fname):
-        """Save the optimizer state (gluon's format) and this rank's compressor state."""
+        """Save the optimizer state (gluon's format, to ``fname``) and this rank's compressor
+        state (``fname + '.gradfuse-rank<r>'``: .npz, no pickle, written atomically after the
+        steps in flight)."""
         super().save_states(fname)
-        pipes = self._reducer.pipelines if self._reducer is not None else []
-        if pipes and all(hasattr(p, "state_dict") for p in pipes):
-            side = {"format": "gradfuse.mxnet/1", "rank": rank(), "pipelines": self._reducer.state_dicts()}
-            if self._corr is not None:
-                side["momentum_correction"] = self._corr.state()      # the last lr (velocity scale)
-            with open(_sidecar(fname), "wb") as f:
-                pickle.dump(side, f, protocol=pickle.HIGHEST_PROTOCOL)
+        if self._reducer is not None:
+            corr = self._corr.state() if self._corr is not None else None
+            _write_side(_sidecar(fname), self._reducer.state_dicts(), corr, self._process_set.size())
 
-    def load_states(self, fname):
-        """Load what ``save_states`` wrote (the compressor part only if it exists)."""
-        super().load_states(fname)
-        side = _sidecar(fname)
-        if self._reducer is not None and os.path.exists(side):
+    def load_states(self, fname, on_mismatch="raise"):
+        """Load what ``save_states`` wrote: the optimizer state and this rank's compressor
+        state. When the trainer keeps compressor state, its side file must be there (a
+        GradfuseError names it otherwise); it is read and checked before anything is loaded.
+        ``on_mismatch``: as ``Pipeline.load_state_dict`` (``"reset"``: start the compressor
+        state fresh when it does not fit)."""
+        side, saved = _sidecar(fname), None
+        if self._reducer is not None:
+            if os.path.exists(side):
+                saved = _read_side(side)
+            elif self._keeps_state():
+                raise GradfuseError(
+                    f"gradfuse: the compressor state of rank {rank()} is missing: {side!r} does not exist. "
+                    f"DistributedTrainer.save_states({fname!r}) writes it beside the optimizer state (each "
+                    f"rank its own), and this trainer's residuals and velocities are in it; copy it with "
+                    f"{fname!r}, or, to resume with a fresh compressor state, load the optimizer part alone: "
+                    f"gluon.Trainer.load_states(trainer, {fname!r})")
+        if saved is not None:
+            states, corr, where = saved
             self._reducer.synchronize()
-            with open(side, "rb") as f:
-                saved = pickle.load(f)
-            for g, state in enumerate(saved["pipelines"]):
-                self._reducer._pipe(g).load_state_dict(state)
+            for g, state in enumerate(states):          # refused here, before anything is loaded
+                self._reducer._pipe(g).load_state_dict(state, on_mismatch, where, check_only=True)
+        super().load_states(fname)
+        if saved is not None:
+            for g, state in enumerate(states):
+                self._reducer._pipe(g).load_state_dict(state, on_mismatch, where)
             if self._corr is not None:
-                self._corr.load(saved.get("momentum_correction"))
-
+                self._corr.load(corr)

@@ -35,6 +35,11 @@ class Handle:
         """True when the collective has finished (successfully or not)."""
         return self._event.is_set()
 
+    @property
+    def done_event(self):
+        """A ``threading.Event`` set when the collective has finished (it holds no result)."""
+        return self._event
+
     def wait(self, timeout=None):
         """Block until done; return the result or raise the collective's error."""
         if not self._event.wait(timeout):
@@ -64,6 +69,11 @@ class Engine:
         handle = Handle(name)
         self._queue.put((fn, handle))
         return handle
+
+    def on_thread(self):
+        """Whether the caller is this engine's communication thread (a job, or a callback
+        of one): it cannot wait for a job queued behind the one it runs."""
+        return threading.current_thread() is self._thread
 
     def _loop(self):
         while True:

@@ -12,7 +12,6 @@ checkpoint on rank 0 only): the states travel as ``torch.save`` bytes over the h
 control group and are read back with ``weights_only=True`` (nothing is unpickled).
 """
 import io
-import warnings
 
 import numpy as np
 import torch
@@ -94,8 +93,12 @@ def gather(sd, group):
 
 
 def pick(saved, rank, size, where="the checkpoint"):
-    """This rank's state from a ``gather`` result, or None (with a warning that says why)
-    when it was saved on another number of ranks.
+    """This rank's state from a ``gather`` result.
+
+    Saved on another number of ranks, it is the state of rank ``rank % saved ranks``:
+    ``CompressionState.load_state_dict`` then keeps from it what every rank shares (the
+    step counters, an Adam correction's moments, PowerSGD's Q) and starts the residuals and
+    velocities from zero, with a warning naming them.
 
     Args:
         saved: what ``gather`` returned (as loaded from a checkpoint).
@@ -103,15 +106,14 @@ def pick(saved, rank, size, where="the checkpoint"):
         where: the file, for the messages.
 
     Returns:
-        The rank's ``state_dict``, or None.
+        A ``state_dict`` to restore.
     """
     if not isinstance(saved, dict) or saved.get("format") != RANKS_FORMAT:
         got = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
         raise ValueError(f"gradfuse.torch: {where} holds hook states of format {got!r}, expected "
                          f"{RANKS_FORMAT!r}")
-    if int(saved["world_size"]) != size:
-        warnings.warn(f"gradfuse.torch: {where} holds the hook state of {saved['world_size']} ranks and this "
-                      f"run has {size}; the hook starts from zero residuals and velocities", RuntimeWarning,
-                      stacklevel=2)
-        return None
-    return saved["ranks"][rank]
+    ranks = saved.get("ranks")
+    if not isinstance(ranks, list) or len(ranks) != saved.get("world_size") or not ranks:
+        raise ValueError(f"gradfuse.torch: {where} says it holds the hook states of {saved.get('world_size')!r} "
+                         f"ranks and holds {len(ranks) if isinstance(ranks, list) else ranks!r}")
+    return ranks[rank % len(ranks)]

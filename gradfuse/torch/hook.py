@@ -25,8 +25,11 @@ import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from ..compressors import randomk
 from ..compressors.policy import LayerPolicy
+from ..errors import GradfuseError
 from ..pipeline import Pipeline
 from ..step.stats import Stats
 from . import adam as _adam
@@ -185,21 +188,38 @@ class CompressionState:
         return {"format": _ckpt.FORMAT, "iteration": self.iteration, "calls": self.calls,
                 "world_size": self.comm.size, "buckets": buckets}
 
-    def load_state_dict(self, sd):
+    def load_state_dict(self, sd, on_mismatch="raise", where="the hook state_dict"):
         """Restore a ``state_dict()`` of this rank, bit-exactly (``gradfuse-torch-1`` dicts
-        too; another format is refused by name). Returns True if every bucket's state was
-        restored."""
+        too; another format is refused by name).
+
+        Every bucket's state is validated and compared with this hook before any is
+        restored, as ``gradfuse.Pipeline.load_state_dict`` does: non-finite values, wrong
+        dtypes or sizes, negative counters, another compressor or another rank raise
+        ``GradfuseError`` naming ``where``, the bucket and the problem, and the live state
+        stays as it was (``on_mismatch="reset"``: start fresh instead). A state saved on
+        another number of ranks keeps what every rank shares and zeroes the residuals and
+        velocities, with a warning. Returns True if every bucket's state was restored."""
         _ckpt.check_format(sd)
         sd = _ckpt.to_numpy(sd)
+        for field in ("iteration", "calls"):
+            v = sd.get(field)
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 0:
+                raise GradfuseError(f"gradfuse.torch: {where}: {field} is {v!r}; it must be an integer >= 0")
+        loads = []
+        for b in sd["buckets"]:
+            layout = (tuple(b["names"]), tuple(tuple(s) for s in b["shapes"]), b["dtype"])
+            pipe = self._make(bool(b["warm"]))
+            at = (f"{where}, DDP bucket {int(b['index'])}{' (warm-up)' if b['warm'] else ''} of "
+                  f"{len(layout[0])} tensors ({', '.join(layout[0][:2])}{', ...' if len(layout[0]) > 2 else ''})")
+            pipe.load_state_dict(b["state"], on_mismatch, at, check_only=True)
+            loads.append((pipe, b, layout, at))
         with self._lock:
             self.iteration, self.calls = int(sd["iteration"]), int(sd["calls"])
             self._retire(list(self._pipes))
             self._regroup = None
             ok = True
-            for b in sd["buckets"]:
-                layout = (tuple(b["names"]), tuple(tuple(s) for s in b["shapes"]), b["dtype"])
-                pipe = self._make(bool(b["warm"]))
-                ok = pipe.load_state_dict(b["state"]) and ok
+            for pipe, b, layout, at in loads:
+                ok = pipe.load_state_dict(b["state"], on_mismatch, at) and ok
                 self._pipes[(bool(b["warm"]), int(b["index"]), layout)] = [pipe, False]
         return ok
 

@@ -96,6 +96,5 @@ class GradfuseStrategyMixin:
             return
         (saved, path), self._gradfuse_restore = self._gradfuse_restore, None
         state = self.gradfuse_state
-        mine = _ckpt.pick(saved, state.comm.rank, state.comm.size, where=path)
-        if mine is not None:
-            state.load_state_dict(mine)
+        state.load_state_dict(_ckpt.pick(saved, state.comm.rank, state.comm.size, where=path),
+                              where=f"the gradfuse hook state in {path!r}")

@@ -98,6 +98,8 @@ def test_compressed_trainer_is_the_same_on_every_rank_and_checkpoints(world, com
     if world.rank == 0:
         net.save_parameters(pfile)
     tr.save_states(sfile)            # the optimizer's and this rank's compressor state (own directory)
+    with np.load(sfile + f".gradfuse-rank{world.rank}", allow_pickle=False) as z:     # .npz, no pickle
+        assert "p0/a0/adam.v" in z.files
     world.Barrier()
     pfile = world.bcast(pfile)
     train(net, tr, 5, [world.rank], B, start=10)

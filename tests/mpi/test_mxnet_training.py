@@ -246,12 +246,15 @@ def test_compressed_trainer_checkpoint_restores_bit_exactly(world, compress, opt
     sfile = os.path.join(tmp, f"gf_states_{os.getpid()}")
     net = mlp(0)
     tr = hvd.DistributedTrainer(net.collect_params(), "sgd", dict(OPT), compress=compress, **opts)
+    assert tr._correction is not None            # SGD with momentum: DGC's momentum correction, a velocity
     train(net, tr, 2, [world.rank], B)
     assert_same_on_all_ranks(net)
     net.save_parameters(pfile)
     tr.save_states(sfile)
     try:
-        assert os.path.exists(sfile + f".gradfuse-rank{world.rank}")
+        side = sfile + f".gradfuse-rank{world.rank}"
+        with np.load(side, allow_pickle=False) as z:          # .npz, no pickle
+            assert "meta" in z.files and any(name.startswith("p0/v") for name in z.files)
         for s in (2, 3):                      # continue: steps 2 and 3
             train_step(net, tr, s, world.rank)
         want = params_of(net)
@@ -291,3 +294,40 @@ def train_step(net, trainer, s, r):
         loss = LOSS(net(x), y)
     loss.backward()
     trainer.step(B)
+
+
+def test_resume_without_or_with_a_bad_side_file_is_refused_by_name(world):
+    """The compressor state lives in save_states' side file: resuming without it (only the Gluon
+    file copied), from a truncated one, or from an earlier pickled one raises GradfuseError
+    naming the file, and nothing is loaded."""
+    import pickle
+    from gradfuse.errors import GradfuseError
+    tmp = tempfile.mkdtemp()
+    sfile = os.path.join(tmp, f"states_{world.rank}")
+    side = sfile + f".gradfuse-rank{world.rank}"
+    net = mlp(0)
+    tr = hvd.DistributedTrainer(net.collect_params(), "sgd", dict(OPT), compress="1bit")
+    train(net, tr, 2, [world.rank], B)
+    tr.save_states(sfile)
+    raw = open(side, "rb").read()
+    assert raw.startswith(b"PK")
+    fresh = hvd.DistributedTrainer(mlp(0).collect_params(), "sgd", dict(OPT), compress="1bit")
+    os.rename(side, side + ".away")
+    with pytest.raises(GradfuseError, match=rf"compressor state of rank {world.rank} is missing: '{side}' does not "
+                                            rf"exist"):
+        fresh.load_states(sfile)
+    with open(side, "wb") as f:
+        f.write(raw[:len(raw) // 2])
+    with pytest.raises(GradfuseError, match=rf"gradfuse side file '{side}' is truncated or corrupt"):
+        fresh.load_states(sfile)
+    with open(side, "wb") as f:
+        pickle.dump({"format": "gradfuse.mxnet/1", "rank": world.rank, "pipelines": []}, f)
+    with pytest.raises(GradfuseError, match=rf"'{side}' is a gradfuse.mxnet/1 side file: a pickle.*does not unpickle"):
+        fresh.load_states(sfile)
+    assert fresh._updaters[0].states == {}                # the Gluon part was not loaded either
+    os.replace(side + ".away", side)
+    fresh.load_states(sfile)
+    assert fresh.pipeline.state.step == 2
+    plain = hvd.DistributedTrainer(mlp(0).collect_params(), "sgd", dict(OPT))      # no compressor state
+    os.unlink(side)
+    plain.load_states(sfile)

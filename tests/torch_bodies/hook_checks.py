@@ -104,6 +104,46 @@ def check_state_roundtrips_through_torch_load(rank):
     assert _bits(back) == _bits(sd)
 
 
+def check_load_validates_and_handles_another_world_size(rank):
+    """load_state_dict validates through the Pipeline's one path: NaN in a residual is refused
+    naming the bucket and the element, and the live state stays; a state of another world size
+    keeps the shared part and zeroes the residuals and velocities, with a warning naming them."""
+    import copy
+    import warnings
+    from gradfuse.errors import GradfuseError
+    m = model()
+    ddp = DDP(m, bucket_cap_mb=SMALL)
+    state = gt.CompressionState("1bit", module=m, momentum=0.9)
+    ddp.register_comm_hook(state, gt.comm_hook)
+    train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.1), batches(rank, 3, seed=7))
+    sd = state.state_dict()
+    before = _bits(state.state_dict())
+    bad = copy.deepcopy(sd)
+    entry = next(b for b in bad["buckets"] if not b["warm"])
+    key = next(iter(entry["state"]["buckets"]))
+    entry["state"]["buckets"][key]["residual"][3] = float("nan")
+    try:
+        state.load_state_dict(bad)
+    except GradfuseError as e:
+        assert f"DDP bucket {entry['index']}" in str(e) and f"bucket {key} residual holds nan at element 3" in str(e), e
+    else:
+        raise AssertionError("a residual with NaN was accepted")
+    assert _bits(state.state_dict()) == before, "a refused load changed the live state"
+    other = copy.deepcopy(sd)
+    p = dist.get_world_size()
+    for b in other["buckets"]:
+        b["state"]["world_size"] = p + 1
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert state.load_state_dict(other)
+    said = [str(x.message) for x in w if f"saved on {p + 1} ranks" in str(x.message)]
+    assert said and all("(residual, velocity)" in t for t in said), [str(x.message) for x in w]
+    for b in state.state_dict()["buckets"]:
+        for e in b["state"]["buckets"].values():
+            assert e["residual"].numel() == 0 and e.get("velocity") is None
+    assert state.iteration == sd["iteration"]
+
+
 def _bits(x):
     if isinstance(x, dict):
         return {k: _bits(v) for k, v in x.items()}
