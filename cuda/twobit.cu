@@ -115,7 +115,7 @@ extern "C" __global__ void gf_twobit_decompress_sum_table(const gf_u8* codes, gf
 }
 
 // ================================================================== scaled 2-bit
-// The default 2-bit format (docs/compressors.md "2-bit: layout"), twin of _twobit.h. Blocks
+// The default 2-bit format (docs/compressors.md "2-bit: the scaled format (the default)"), twin of _twobit.h. Blocks
 // of B elements (B a multiple of 32) restart at every tensor; per block s = mean |c| (the
 // 1-bit scale's order), t = s * factor, + if c > 0 && c >= t, - if c < 0 && c <= -t,
 // v = (sum of the selected |c|, same order) / (float)nsel (0 when nsel = 0). Codes: tensor

@@ -93,7 +93,7 @@ class Pipeline:
             compression of the next, on a second thread (``gradfuse.step.overlap``);
             the results are bit-identical either way. Default None:
             ``GRADFUSE_PIPELINE_BUCKETS`` (0 or 1), else on (measured in
-            docs/benchmarks.md, "Pipelined buckets"). It needs MPI at
+            docs/notes/benchmarks-history.md, "Pipelined buckets"). It needs MPI at
             ``THREAD_MULTIPLE`` (mpi4py's default) and a host step on two or more ranks;
             elsewhere, and in steps whose compressed buckets are all fp16/bf16, the
             buckets run serially. Ranks need not agree on it.

@@ -217,7 +217,7 @@ def _pack_codes(code):
 
 @_quiet
 def twobit_block_compress(g, e, block, factor, counts=None):
-    """Scaled 2-bit (docs/compressors.md "2-bit: layout"): returns (codes uint32[sum
+    """Scaled 2-bit (docs/compressors.md "2-bit: the scaled format (the default)"): returns (codes uint32[sum
     ceil(n_i/16)], values float32[sum ceil(n_i/B)], residual or None, nbad = blocks whose
     mean |c| is non-finite). Blocks restart at every tensor."""
     c, fb = _residual_in(g, e)

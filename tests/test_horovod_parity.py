@@ -1,7 +1,7 @@
 """gradfuse.mxnet beside Horovod 0.28.1 itself, where Horovod is installed.
 
 Horovod is never a dependency: .ci/run's Horovod leg builds it outside the project's venv
-(docs/benchmarks.md, "Baselines") and runs this file with it on ``PYTHONPATH``. Here:
+(docs/notes/benchmarks-history.md, "Baselines") and runs this file with it on ``PYTHONPATH``. Here:
 
 * the suite's own comparisons with Horovod (``tests/test_mxnet_api.py``,
   ``tests/test_mxnet_examples.py``, ``tests/mpi/test_mxnet_semantics_ranks.py`` on 2 ranks)

@@ -49,7 +49,7 @@ MPI_ENV = {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER
 # (measured: 12,478-12,876 faults a call per rank). At 10 Gbit/s that work lands on the
 # same 2 cores that run both hosts' TCP: it took an fp32 allreduce of ResNet-50's 102 MB
 # from 91-93 ms to 99-121 ms. With mmap off and no trimming, a freed block stays in the
-# heap and the next call reuses its pages (docs/benchmarks.md, "The link check"). Memory
+# heap and the next call reuses its pages (docs/notes/benchmarks-history.md, "The link check"). Memory
 # freed by the ranks is then never given back to the kernel, so resident-set figures
 # read as peaks: only fast links, where the CPU is the limit, get it by default
 # (``Cluster(keep_heap=...)`` / ``emu_cluster.py --keep-heap/--no-keep-heap``).

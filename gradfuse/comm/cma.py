@@ -75,7 +75,7 @@ def _piece_bytes(l2):
 #: call costs ~5 us and a page walk of the peer's memory, so pieces are not tiny, but they
 #: are summed from the core's own cache only while a piece and the peer's copy of it fit
 #: there: with a 2 MiB L2, 256 KiB pieces summed ResNet-50's 102 MB on 2 ranks in 15-20 ms,
-#: 1 MiB pieces in 22-26 ms (docs/benchmarks.md, "Pieces the size of the cache")
+#: 1 MiB pieces in 22-26 ms (docs/notes/benchmarks-history.md, runs 16-19)
 PIECE_BYTES = _piece_bytes(_l2_bytes())
 #: the stripes each rank sums are about this long (bytes), taken from the whole of a call's
 #: tensors in turn: the small tensors of a gradient list come first and cost more per byte

@@ -28,8 +28,8 @@ recompression), and what 1-bit failed to send stays in
 the residual alone instead of also staying in the velocity. ``velocity="local"`` keeps
 DGC's form (the velocity never sees the compressor): the part of ``c`` that 1-bit leaves
 unsent then stays in both the residual and the velocity, and the residual grows well
-beyond the velocity (docs/experiments.md, "1-bit and the velocity"). Nesterov (NAG) keeps
-DGC's form: the compressor reads ``m * u + g``, not the velocity.
+beyond the velocity (docs/compressors.md, "1-bit's velocity" under "Momentum correction
+(DGC) and sparsity warm-up"). Nesterov (NAG) keeps DGC's form: the compressor reads ``m * u + g``, not the velocity.
 """
 import numpy as np
 

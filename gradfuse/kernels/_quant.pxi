@@ -31,7 +31,7 @@ gf_tb_init_spread()
 
 def set_stream_bytes(nbytes=None):
     """Tensors of at least ``nbytes`` bytes are written by the 1-bit and 2-bit decoders
-    with non-temporal stores (the same values; docs/compressors.md, "Decoding"); None:
+    with non-temporal stores (the same values; docs/compressors.md, "Decompress-and-sum (both compressors)"); None:
     the default (256 KiB). Returns the previous setting. For the tests and A/B
     measurements of the two kinds of store."""
     global gf_q_stream_bytes

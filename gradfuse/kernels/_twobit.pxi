@@ -2,7 +2,7 @@
 # feedback. Included by _core.pyx after _quant.pxi (whose argument checks and blocked
 # decode-and-sum, _q_block_decompress_raw, it shares).
 #
-# Format and math: docs/compressors.md ("2-bit: layout"); numpy twin: tests/ref_quant.py
+# Format and math: docs/compressors.md ("2-bit: the scaled format (the default)"); numpy twin: tests/ref_quant.py
 # (twobit_block_*); GPU twin: cuda/twobit.cu (gradfuse.gpu.twobit_block_*).
 
 cdef extern from "_twobit.h" nogil:

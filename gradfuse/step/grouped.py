@@ -13,7 +13,7 @@ fp16/bf16) to ``step.overlap.run_jobs``: the exchange thread, the 16-bit step be
 A collective per bucket costs more than its bytes when the bytes are few: on ResNet-50
 (37 buckets, random-k's 1 MB of values in all) 37 polled allgathers between two emulated
 hosts on 1 Gbit/s links took 15.5 ms, one allgather of the same bytes 8.5 ms
-(docs/benchmarks.md, "random-k at 20x"). So the buckets go in *exchange groups*: the
+(docs/notes/benchmarks-history.md, "random-k at 20x"). So the buckets go in *exchange groups*: the
 wire rows of a group's buckets lie side by side in one buffer (each bucket's row is the
 one its own job would send: int64 header, payload; ``group_bufs`` are views into the
 group's buffers, so nothing is copied), and one non-blocking collective moves the group
@@ -24,7 +24,7 @@ last bucket is compressed and tests the requests in flight between two compressi
 ResNet-50's largest bucket takes about 1 ms, and the sockets' buffers hold more than the
 link moves meanwhile), so no second thread competes for the cores (the exchange thread's
 polling cost top-k about 13 ms of CPU a step per rank on 2 ranks per 2 cores,
-docs/benchmarks.md, "Pipelined buckets"). Groups are cut from the last bucket backwards,
+docs/notes/benchmarks-history.md, "Pipelined buckets"). Groups are cut from the last bucket backwards,
 ``LAST_GROUP`` bytes of rows, then twice that, up to ``MAX_GROUP``: the exchange left
 after the last compression is a small one.
 
@@ -50,7 +50,7 @@ from ..comm.mpi import mpi
 from ..runtime import timeline as _tl
 
 #: bytes of wire rows (this rank's) in the last group; each group before it may hold
-#: twice its successor's, up to MAX_GROUP (docs/benchmarks.md, "Pipelined buckets":
+#: twice its successor's, up to MAX_GROUP (docs/notes/benchmarks-history.md, "Pipelined buckets":
 #: measured against groups of one bucket)
 LAST_GROUP = 16 * 1024
 MAX_GROUP = 256 * 1024

@@ -78,7 +78,7 @@ def polled(job, comm):
     the allgather/alltoall algorithms, and the 16-bit allreduce (fp16/bf16 on MPI, not
     NCCL's native half sum) on 2 ranks on 2 hosts. On one host (shared memory) there is
     no wire time to hide and the serial step was faster (124 against 138 ms on ResNet-50,
-    docs/benchmarks.md, "Pipelined buckets")."""
+    docs/notes/benchmarks-history.md, "Pipelined buckets")."""
     if job.algorithm in POLLED:
         return True
     return job.algorithm == "allreduce" and not getattr(job, "native", False) and swaps16(comm)
@@ -189,7 +189,7 @@ class PollingComm:
     non-blocking calls, waited for by testing the request every ``POLL_S`` seconds, so
     that the thread sleeps instead of spinning in MPI's progress loop and leaves the core
     to the next bucket's compression (with 2 ranks per 2 cores, a spinning wait took it:
-    docs/benchmarks.md, "Pipelined buckets"), and, where ``swaps16``, ``swap16`` for the
+    docs/notes/benchmarks-history.md, "Pipelined buckets"), and, where ``swaps16``, ``swap16`` for the
     16-bit sums. The same bytes move, so the results are the blocking calls' bits.
     Everything else goes to ``comm`` itself."""
 
