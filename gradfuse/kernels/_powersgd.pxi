@@ -113,3 +113,54 @@ def psgd_scatter(const int64_t[::1] dst_ptrs, const int64_t[::1] counts, const i
         return
     with nogil:
         gf_psgd_scatter(&dst_ptrs[0], &counts[0], &route[0], lo, hi, ap, wp, eo, up, d)
+
+
+cdef extern from "_psgd_mm.h" nogil:
+    int GF_PSGD_MM_MAX_RANK
+    int gf_psgd_products(int kind, const int64_t* mats, int64_t count, const float* W, float* P, float* Q,
+                         float* A)
+
+PSGD_PRODUCTS_MAX_RANK = GF_PSGD_MM_MAX_RANK
+_PSGD_KINDS = {"P": 0, "Q": 1, "A": 2}
+
+
+def psgd_products(str kind, const int64_t[::1] mats, const float[::1] W, float[::1] P, float[::1] Q,
+                  float[::1] A):
+    """PowerSGD's products for every matrix of ``mats`` (6 int64 per matrix: ``w, n, m, r,
+    p, q``; M = ``W[w:]`` n x m, P = ``P[p:]`` n x r, Q = ``Q[q:]`` m x r, all row-major),
+    without BLAS, on this thread: ``kind`` ``"P"``: P = M Q, ``"Q"``: Q = M^T P, ``"A"``:
+    ``A[w:]`` = P Q^T. Ranks 1 to ``PSGD_PRODUCTS_MAX_RANK``; float32 sums in a fixed order
+    (``_psgd_mm.h``)."""
+    cdef int k
+    cdef Py_ssize_t b, count, w, n, m, r, po, qo
+    cdef int rc
+    cdef float* ap = NULL
+    if kind not in _PSGD_KINDS:
+        raise ValueError(f"psgd_products: kind must be 'P', 'Q' or 'A', got {kind!r}")
+    k = _PSGD_KINDS[kind]
+    if mats.shape[0] % 6:
+        raise ValueError(f"psgd_products: mats must hold 6 int64 per matrix, got {mats.shape[0]}")
+    count = mats.shape[0] // 6
+    for b in range(count):
+        w, n, m, r, po, qo = mats[6 * b], mats[6 * b + 1], mats[6 * b + 2], mats[6 * b + 3], mats[6 * b + 4], \
+            mats[6 * b + 5]
+        if n < 0 or m < 0 or r < 1 or r > GF_PSGD_MM_MAX_RANK:
+            raise ValueError(f"psgd_products: matrix {b} is {n} x {m} at rank {r}; the kernels take "
+                             f"ranks 1 to {GF_PSGD_MM_MAX_RANK}")
+        if w < 0 or w + n * m > W.shape[0] or (k == 2 and w + n * m > A.shape[0]):
+            raise ValueError(f"psgd_products: matrix {b} ({n} x {m} at {w}) lies outside W of {W.shape[0]} "
+                             f"floats" + (f" or A of {A.shape[0]}" if k == 2 else ""))
+        if po < 0 or po + n * r > P.shape[0]:
+            raise ValueError(f"psgd_products: matrix {b}'s P ({n} x {r} at {po}) lies outside P of "
+                             f"{P.shape[0]} floats")
+        if qo < 0 or qo + m * r > Q.shape[0]:
+            raise ValueError(f"psgd_products: matrix {b}'s Q ({m} x {r} at {qo}) lies outside Q of "
+                             f"{Q.shape[0]} floats")
+    if count == 0 or W.shape[0] == 0 or P.shape[0] == 0 or Q.shape[0] == 0 or (k == 2 and A.shape[0] == 0):
+        return
+    if k == 2:
+        ap = &A[0]
+    with nogil:
+        rc = gf_psgd_products(k, &mats[0], count, &W[0], &P[0], &Q[0], ap)
+    if rc:
+        raise MemoryError("psgd_products: no memory for the products' scratch (r m floats)")

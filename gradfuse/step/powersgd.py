@@ -56,12 +56,19 @@ class PowerSGDJob(BucketJob):
         return got
 
     def _products(self, kind):
-        """Per matrix, through BLAS (numpy's or cupy's matmul): ``"P"``: P = M Q,
-        ``"Q"``: Q = M^T P, ``"A"``: A = P Q^T (into the shared approximation array)."""
+        """Per matrix: ``"P"``: P = M Q, ``"Q"``: Q = M^T P, ``"A"``: A = P Q^T (into the
+        shared approximation array). On the host up to rank ``PSGD_PRODUCTS_MAX_RANK``
+        gradfuse's kernels (``psgd_products``, on this thread: no BLAS thread pool spinning
+        beside the framework's threads); above it, and on a GPU, BLAS (numpy's or cupy's
+        matmul)."""
         lay, b = self.lay, self.bufs
-        mm, mul = self.bk.xp.matmul, self.bk.xp.multiply
         W, P, Q = b["W"], b["P"], b["Q"]
         A = self.shared("psgd-A", lay.nw, np.float32) if kind == "A" else None
+        K = self.bk.kernels
+        if self.bk.device == "cpu" and lay.max_rank <= K.PSGD_PRODUCTS_MAX_RANK:
+            K.psgd_products(kind, lay.mat_tab, W, P, Q, b["empty"] if A is None else A)
+            return A
+        mm, mul = self.bk.xp.matmul, self.bk.xp.multiply
         for (w, n, m, r, po, qo) in lay.mats:
             Mk = W[w:w + n * m].reshape(n, m)
             Pk = P[po:po + n * r].reshape(n, r)
