@@ -147,9 +147,11 @@ def psgd_products(str kind, const int64_t[::1] mats, const float[::1] W, float[:
         if n < 0 or m < 0 or r < 1 or r > GF_PSGD_MM_MAX_RANK:
             raise ValueError(f"psgd_products: matrix {b} is {n} x {m} at rank {r}; the kernels take "
                              f"ranks 1 to {GF_PSGD_MM_MAX_RANK}")
-        if w < 0 or w + n * m > W.shape[0] or (k == 2 and w + n * m > A.shape[0]):
-            raise ValueError(f"psgd_products: matrix {b} ({n} x {m} at {w}) lies outside W of {W.shape[0]} "
-                             f"floats" + (f" or A of {A.shape[0]}" if k == 2 else ""))
+        if w < 0 or w + n * m > W.shape[0]:
+            raise ValueError(f"psgd_products: matrix {b} ({n} x {m} at {w}) lies outside W of {W.shape[0]} floats")
+        if k == 2 and w + n * m > A.shape[0]:
+            raise ValueError(f"psgd_products: matrix {b}'s approximation ({n} x {m} at {w}) lies outside A of "
+                             f"{A.shape[0]} floats")
         if po < 0 or po + n * r > P.shape[0]:
             raise ValueError(f"psgd_products: matrix {b}'s P ({n} x {r} at {po}) lies outside P of "
                              f"{P.shape[0]} floats")
