@@ -257,3 +257,39 @@ def test_pipeline_above_the_kernels_rank_uses_blas_and_matches_the_reference_ste
         got = pipe.allreduce(g)
         for k, w in zip(g, want):
             assert got[k].tobytes() == w.tobytes(), (k, step)
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+@pytest.mark.parametrize("rank", [1, 3, 8])
+def test_scatter_approx_is_the_product_then_the_scatter_bit_for_bit(rank, feedback):
+    lay, W, P, Q = _product_case(rank)
+    shapes = lay.shapes + ((7,), (3, 2))
+    lay = Layout(shapes, rank, 0.5)
+    rng = np.random.default_rng(9)
+    W = rng.standard_normal(lay.nw).astype(np.float32)
+    P = rng.standard_normal(lay.np_).astype(np.float32)
+    Q = rng.standard_normal(lay.nq).astype(np.float32)
+    U = rng.standard_normal(lay.nu).astype(np.float32)
+    A = np.zeros(lay.nw, np.float32)
+    ref.products("A", lay.mats, None, P, Q, A)
+    want, we = ref.scatter(shapes, lay.route, A, W, U, 3.0, feedback)
+    outs = [np.full(s, np.nan, np.float32) for s in shapes]
+    ptrs = np.array([o.ctypes.data for o in outs], np.int64)
+    cnt = np.array([o.size for o in outs], np.int64)
+    e_out = np.full(lay.nw if feedback else 0, np.nan, np.float32)
+    _core.psgd_scatter_approx(ptrs, cnt, lay.route, lay.mrow, 0, len(shapes), lay.mat_tab, P, Q, W, e_out, U, 3.0)
+    for o, w in zip(outs, want):
+        assert o.tobytes() == w.tobytes()
+    if feedback:
+        assert e_out.tobytes() == we.tobytes()
+    wrong = lay.mrow.copy()
+    k = int(np.flatnonzero(lay.route >= 0)[1])
+    wrong[k] = 0
+    with pytest.raises(ValueError, match=f"row {k} .* is not matrix 0"):
+        _core.psgd_scatter_approx(ptrs, cnt, lay.route, wrong, 0, len(shapes), lay.mat_tab, P, Q, W, e_out, U, 3.0)
+    with pytest.raises(ValueError, match="mrow has"):
+        _core.psgd_scatter_approx(ptrs, cnt, lay.route, lay.mrow[:-1].copy(), 0, len(shapes), lay.mat_tab, P, Q,
+                                  W, e_out, U, 3.0)
+    with pytest.raises(ValueError, match="P lies outside P"):
+        _core.psgd_scatter_approx(ptrs, cnt, lay.route, lay.mrow, 0, len(shapes), lay.mat_tab, P[:-1].copy(), Q,
+                                  W, e_out, U, 3.0)

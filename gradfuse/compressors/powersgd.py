@@ -37,6 +37,8 @@ class Layout:
         p_tab, q_tab: ``(offsets, rows, cols)`` int64 arrays of the P and Q matrices, for
             ``psgd_orthogonalize``.
         mat_tab: ``mats`` flattened (6 int64 per matrix), for ``psgd_products``.
+        mrow: int64 per tensor: its index in ``mats``, -1 when uncompressed (for
+            ``psgd_scatter_approx``).
         max_rank: the largest r of the bucket's matrices (0 without any).
     """
 
@@ -66,6 +68,8 @@ class Layout:
                            zip(*[(mq, m, r) for (_, _, m, r, _, mq) in mats])) if mats else (
             np.zeros(0, np.int64),) * 3
         self.mat_tab = np.array(mats, np.int64).reshape(-1)
+        self.mrow = np.cumsum(self.route >= 0, dtype=np.int64) - 1
+        self.mrow[self.route < 0] = -1
         self.max_rank = max((mt[3] for mt in mats), default=0)
         # the matrices grouped by shape (one batched product per group)
         groups = {}
