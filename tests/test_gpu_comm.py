@@ -49,6 +49,12 @@ def _exercise(comm, cp):
     before = h.copy()
     comm.allreduce16(h, 1)
     assert cp.array_equal(h, before)
+    # a step's small host messages (the Adam freeze rule's max) go over the control plane
+    f = np.array([2.5], np.float64)
+    o = np.empty_like(f)
+    comm.allreduce_op(f, o, "max")
+    comm.allreduce_inplace(f)
+    assert o[0] == 2.5 and f[0] == 2.5 * comm.size
 
 
 def test_nccl_one_rank(env):

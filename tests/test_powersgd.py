@@ -179,3 +179,117 @@ def test_cost_model_counts_powersgds_bytes_and_three_allreduces():
                       counts=counts, shapes=shapes)
     assert t - t0 == pytest.approx(3 * 2 * 3 * link.latency)      # three ring allreduces
     assert t < cost.predict("none", "ring", n, 4, link)
+
+
+def _product_case(rank, seed=5):
+    rng = np.random.default_rng(seed)
+    # widths around the 8 lanes' multiples and tails, heights around the 4-row groups
+    shapes = [(1, 9), (3, 5), (4, 8), (5, 17), (7, 3, 3), (9, 16), (13, 100), (64, 3, 3, 3), (130, 257), (2, 1000)]
+    lay = Layout(shapes, rank, 0.5)
+    W = (rng.standard_normal(lay.nw) * rng.uniform(0.01, 100)).astype(np.float32)
+    P = rng.standard_normal(lay.np_).astype(np.float32)
+    Q = rng.standard_normal(lay.nq).astype(np.float32)
+    return lay, W, P, Q
+
+
+@pytest.mark.parametrize("scalar", [False, True])
+@pytest.mark.parametrize("rank", [1, 2, 3, 4, 5, 8])
+def test_products_match_their_twin_bit_for_bit_and_float64_to_tolerance(rank, scalar):
+    lay, W, P, Q = _product_case(rank)
+    assert lay.max_rank == rank
+    _core.set_simd(scalar)
+    try:
+        for kind in "PQA":
+            got = [W.copy(), P.copy(), Q.copy(), np.full(lay.nw, np.nan, np.float32)]
+            want = [a.copy() for a in got]
+            _core.psgd_products(kind, lay.mat_tab, *got)
+            ref.products(kind, lay.mats, *want)
+            for g, w in zip(got, want):
+                assert g.tobytes() == w.tobytes(), kind
+            for (w, n, m, r, po, qo) in lay.mats:
+                M = W[w:w + n * m].reshape(n, m).astype(np.float64)
+                Pk = P[po:po + n * r].reshape(n, r).astype(np.float64)
+                Qk = Q[qo:qo + m * r].reshape(m, r).astype(np.float64)
+                exact, out = {"P": (M @ Qk, got[1][po:po + n * r].reshape(n, r)),
+                              "Q": (M.T @ Pk, got[2][qo:qo + m * r].reshape(m, r)),
+                              "A": (Pk @ Qk.T, got[3][w:w + n * m].reshape(n, m))}[kind]
+                # float32 sums of n, m or r terms: a few ulps of the sum of |terms|
+                terms = {"P": np.abs(M) @ np.abs(Qk), "Q": np.abs(M.T) @ np.abs(Pk), "A": np.abs(Pk) @ np.abs(Qk.T)}
+                tol = 4 * np.finfo(np.float32).eps * max(n, m) * terms[kind] + 1e-30
+                assert (np.abs(out - exact) <= tol).all(), (kind, n, m, r)
+    finally:
+        _core.set_simd(os.environ.get("GRADFUSE_FORCE_SCALAR") == "1")
+
+
+def test_products_refuse_bad_tables():
+    lay, W, P, Q = _product_case(2)
+    A = np.zeros(lay.nw, np.float32)
+    with pytest.raises(ValueError, match="kind must be"):
+        _core.psgd_products("B", lay.mat_tab, W, P, Q, A)
+    with pytest.raises(ValueError, match="6 int64 per matrix"):
+        _core.psgd_products("P", lay.mat_tab[:-1].copy(), W, P, Q, A)
+    deep = lay.mat_tab.copy()
+    deep[3] = 9
+    with pytest.raises(ValueError, match="ranks 1 to 8"):
+        _core.psgd_products("P", deep, W, P, Q, A)
+    with pytest.raises(ValueError, match="outside W"):
+        _core.psgd_products("P", lay.mat_tab, W[:-1].copy(), P, Q, A)
+    with pytest.raises(ValueError, match="outside A"):
+        _core.psgd_products("A", lay.mat_tab, W, P, Q, A[:-1].copy())
+    with pytest.raises(ValueError, match="P .* lies outside P"):
+        _core.psgd_products("Q", lay.mat_tab, W, P[:-1].copy(), Q, A)
+    with pytest.raises(ValueError, match="Q .* lies outside Q"):
+        _core.psgd_products("P", lay.mat_tab, W, P, Q[:-1].copy(), A)
+
+
+def test_pipeline_above_the_kernels_rank_uses_blas_and_matches_the_reference_step():
+    pipe = gradfuse.Pipeline(compress="powersgd", rank=9, fusion_threshold=1 << 30)
+    comp = PowerSGD(rank=9)
+    g0 = {"w": np.ones((100, 80), np.float32), "b": np.ones(4, np.float32)}
+    shapes = [v.shape for v in g0.values()]
+    lay = comp.layout(BucketContext(counts=tuple(int(np.prod(s)) for s in shapes), shapes=tuple(shapes)), 8004)
+    assert lay.max_rank == 9
+    states = [{}]
+    rng = np.random.default_rng(2)
+    for step in range(3):
+        g = {k: rng.standard_normal(v.shape).astype(np.float32) for k, v in g0.items()}
+        want = ref.reference_step(comp, lay, [list(g.values())], states, 0, step, 1.0)
+        got = pipe.allreduce(g)
+        for k, w in zip(g, want):
+            assert got[k].tobytes() == w.tobytes(), (k, step)
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+@pytest.mark.parametrize("rank", [1, 3, 8])
+def test_scatter_approx_is_the_product_then_the_scatter_bit_for_bit(rank, feedback):
+    lay, W, P, Q = _product_case(rank)
+    shapes = lay.shapes + ((7,), (3, 2))
+    lay = Layout(shapes, rank, 0.5)
+    rng = np.random.default_rng(9)
+    W = rng.standard_normal(lay.nw).astype(np.float32)
+    P = rng.standard_normal(lay.np_).astype(np.float32)
+    Q = rng.standard_normal(lay.nq).astype(np.float32)
+    U = rng.standard_normal(lay.nu).astype(np.float32)
+    A = np.zeros(lay.nw, np.float32)
+    ref.products("A", lay.mats, None, P, Q, A)
+    want, we = ref.scatter(shapes, lay.route, A, W, U, 3.0, feedback)
+    outs = [np.full(s, np.nan, np.float32) for s in shapes]
+    ptrs = np.array([o.ctypes.data for o in outs], np.int64)
+    cnt = np.array([o.size for o in outs], np.int64)
+    e_out = np.full(lay.nw if feedback else 0, np.nan, np.float32)
+    _core.psgd_scatter_approx(ptrs, cnt, lay.route, lay.mrow, 0, len(shapes), lay.mat_tab, P, Q, W, e_out, U, 3.0)
+    for o, w in zip(outs, want):
+        assert o.tobytes() == w.tobytes()
+    if feedback:
+        assert e_out.tobytes() == we.tobytes()
+    wrong = lay.mrow.copy()
+    k = int(np.flatnonzero(lay.route >= 0)[1])
+    wrong[k] = 0
+    with pytest.raises(ValueError, match=f"row {k} .* is not matrix 0"):
+        _core.psgd_scatter_approx(ptrs, cnt, lay.route, wrong, 0, len(shapes), lay.mat_tab, P, Q, W, e_out, U, 3.0)
+    with pytest.raises(ValueError, match="mrow has"):
+        _core.psgd_scatter_approx(ptrs, cnt, lay.route, lay.mrow[:-1].copy(), 0, len(shapes), lay.mat_tab, P, Q,
+                                  W, e_out, U, 3.0)
+    with pytest.raises(ValueError, match="P lies outside P"):
+        _core.psgd_scatter_approx(ptrs, cnt, lay.route, lay.mrow, 0, len(shapes), lay.mat_tab, P[:-1].copy(), Q,
+                                  W, e_out, U, 3.0)

@@ -5,8 +5,9 @@ in for CUDA tensors: the bucket reaches gradfuse's GPU path through the real DLP
 (the emulator's cupy), the Pipeline's CudaBackend runs the CUDA kernels of cuda/ on the
 SIMT emulator, and the device communicator the hook's TorchCommunicator makes moves the
 payloads with torch's collectives (direct, NCCL's role, at 1 and 2 ranks; host-staged at
-2). Every compressor, fp32 and bf16 models, every bucket of every step: bit-identical to
-the host path on the same inputs. The same body runs on a GPU in scripts/gpu_check.sh's
+2). Every compressor, fp32 and bf16 models, the Adam correction, every bucket of every
+step: bit-identical to the host path on the same inputs; PowerSGD to tolerance (its
+matrix products are BLAS's on the device path, gradfuse's kernels on the host path). The same body runs on a GPU in scripts/gpu_check.sh's
 DDP section (DLPack to CUDA tensors, NCCL, streams: what only a GPU shows).
 """
 import os
@@ -33,5 +34,5 @@ def test_cuda_buckets_on_the_kernel_emulator(n, mode):
     assert code == 0, out[-6000:]
     for r in range(n):
         assert f"ALL OK rank {r} of {n}" in out, out[-4000:]
-        for check in ("every_compressor_fp32", "bf16_model"):
+        for check in ("every_compressor_fp32", "bf16_model", "adam_correction", "powersgd"):
             assert f"CHECK check_{check} ok rank {r}" in out, out[-4000:]

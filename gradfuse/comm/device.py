@@ -40,6 +40,12 @@ def as_device(obj):
     return arr
 
 
+def is_host(arr):
+    """Whether ``arr`` is a host (numpy) array: a device communicator sums those, the small
+    host messages of a step (e.g. the Adam freeze rule's 8-byte max), on its control plane."""
+    return isinstance(arr, np.ndarray) and not hasattr(arr, "__cuda_array_interface__")
+
+
 def as_bytes(arr):
     return arr.reshape(-1).view(np.uint8)
 

@@ -28,7 +28,7 @@ import weakref
 
 import numpy as np
 
-from .device import DeviceCommunicator, as_bytes, as_device, cupy
+from .device import DeviceCommunicator, as_bytes, as_device, cupy, is_host
 from .mpi import MPICommunicator
 from .staged import HostStagedCommunicator
 
@@ -159,6 +159,8 @@ class NCCLCommunicator(DeviceCommunicator):
 
     # --- data plane ----------------------------------------------------------------------
     def allreduce_inplace(self, arr):
+        if is_host(arr):                  # a step's small host message: the control plane's
+            return self.mpi.allreduce_inplace(arr)
         a = as_device(arr)
         s = self._begin()
         self.nccl.allReduce(a.data.ptr, a.data.ptr, a.size, self._dtype(a.dtype), self._op("sum"), s)
@@ -169,6 +171,8 @@ class NCCLCommunicator(DeviceCommunicator):
         return self.allreduce_op(src, dst, "sum")
 
     def allreduce_op(self, src, dst, op):
+        if is_host(src) and is_host(dst):
+            return self.mpi.allreduce_op(src, dst, op)
         a, b = as_device(src), as_device(dst)
         if a.size != b.size or a.dtype != b.dtype:
             raise ValueError(f"allreduce: src {a.dtype}[{a.size}] and dst {b.dtype}[{b.size}] differ")

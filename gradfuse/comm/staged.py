@@ -4,7 +4,7 @@ import warnings
 
 import numpy as np
 
-from .device import DeviceCommunicator, as_device, cupy
+from .device import DeviceCommunicator, as_device, cupy, is_host
 
 
 class HostStagedCommunicator(DeviceCommunicator):
@@ -58,7 +58,11 @@ class HostStagedCommunicator(DeviceCommunicator):
         cupy().cuda.get_current_stream().synchronize()
 
     def _inplace(self, arr, collective, *args):
-        """``collective(host copy, *args)`` on one buffer, copied down and back up."""
+        """``collective(host copy, *args)`` on one buffer, copied down and back up (a host
+        array: in place, no copies)."""
+        if is_host(arr):
+            collective(arr, *args)
+            return arr
         d, h = self._down(arr)
         collective(h, *args)
         self._up(d, h)
@@ -68,7 +72,11 @@ class HostStagedCommunicator(DeviceCommunicator):
         return self._inplace(arr, self.mpi.allreduce_inplace)
 
     def _pair(self, src, dst, collective, *args):
-        """``collective(host src, host dst, *args)``: ``src`` copied down, ``dst`` back up."""
+        """``collective(host src, host dst, *args)``: ``src`` copied down, ``dst`` back up
+        (host arrays: as they are)."""
+        if is_host(src) and is_host(dst):
+            collective(src, dst, *args)
+            return dst
         _, ha = self._down(src, "a")
         b = as_device(dst)
         hb = self._host("b", b.shape, b.dtype)

@@ -36,6 +36,10 @@ class Layout:
             Q buffers (``np_``, ``nq`` floats).
         p_tab, q_tab: ``(offsets, rows, cols)`` int64 arrays of the P and Q matrices, for
             ``psgd_orthogonalize``.
+        mat_tab: ``mats`` flattened (6 int64 per matrix), for ``psgd_products``.
+        mrow: int64 per tensor: its index in ``mats``, -1 when uncompressed (for
+            ``psgd_scatter_approx``).
+        max_rank: the largest r of the bucket's matrices (0 without any).
     """
 
     def __init__(self, shapes, rank, min_rate):
@@ -63,6 +67,10 @@ class Layout:
         self.q_tab = tuple(np.array(c, np.int64).reshape(-1) for c in
                            zip(*[(mq, m, r) for (_, _, m, r, _, mq) in mats])) if mats else (
             np.zeros(0, np.int64),) * 3
+        self.mat_tab = np.array(mats, np.int64).reshape(-1)
+        self.mrow = np.cumsum(self.route >= 0, dtype=np.int64) - 1
+        self.mrow[self.route < 0] = -1
+        self.max_rank = max((mt[3] for mt in mats), default=0)
         # the matrices grouped by shape (one batched product per group)
         groups = {}
         for k, (wo, n, m, r, po, qo) in enumerate(mats):

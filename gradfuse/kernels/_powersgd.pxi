@@ -113,3 +113,116 @@ def psgd_scatter(const int64_t[::1] dst_ptrs, const int64_t[::1] counts, const i
         return
     with nogil:
         gf_psgd_scatter(&dst_ptrs[0], &counts[0], &route[0], lo, hi, ap, wp, eo, up, d)
+
+
+cdef extern from "_psgd_mm.h" nogil:
+    int GF_PSGD_MM_MAX_RANK
+    int gf_psgd_products(int kind, const int64_t* mats, int64_t count, const float* W, float* P, float* Q,
+                         float* A)
+    int gf_psgd_scatter_approx(const int64_t* dst, const int64_t* counts, const int64_t* route,
+                               const int64_t* mrow, int64_t lo, int64_t hi, const int64_t* mats,
+                               const float* P, const float* Q, const float* W, float* e_out, const float* U,
+                               float divisor)
+
+PSGD_PRODUCTS_MAX_RANK = GF_PSGD_MM_MAX_RANK
+_PSGD_KINDS = {"P": 0, "Q": 1, "A": 2}
+
+
+def psgd_products(str kind, const int64_t[::1] mats, const float[::1] W, float[::1] P, float[::1] Q,
+                  float[::1] A):
+    """PowerSGD's products for every matrix of ``mats`` (6 int64 per matrix: ``w, n, m, r,
+    p, q``; M = ``W[w:]`` n x m, P = ``P[p:]`` n x r, Q = ``Q[q:]`` m x r, all row-major),
+    without BLAS, on this thread: ``kind`` ``"P"``: P = M Q, ``"Q"``: Q = M^T P, ``"A"``:
+    ``A[w:]`` = P Q^T. Ranks 1 to ``PSGD_PRODUCTS_MAX_RANK``; float32 sums in a fixed order
+    (``_psgd_mm.h``)."""
+    cdef int k
+    cdef Py_ssize_t b, count, w, n, m, r, po, qo
+    cdef int rc
+    cdef float* ap = NULL
+    if kind not in _PSGD_KINDS:
+        raise ValueError(f"psgd_products: kind must be 'P', 'Q' or 'A', got {kind!r}")
+    k = _PSGD_KINDS[kind]
+    if mats.shape[0] % 6:
+        raise ValueError(f"psgd_products: mats must hold 6 int64 per matrix, got {mats.shape[0]}")
+    count = mats.shape[0] // 6
+    for b in range(count):
+        w, n, m, r, po, qo = mats[6 * b], mats[6 * b + 1], mats[6 * b + 2], mats[6 * b + 3], mats[6 * b + 4], \
+            mats[6 * b + 5]
+        if n < 0 or m < 0 or r < 1 or r > GF_PSGD_MM_MAX_RANK:
+            raise ValueError(f"psgd_products: matrix {b} is {n} x {m} at rank {r}; the kernels take "
+                             f"ranks 1 to {GF_PSGD_MM_MAX_RANK}")
+        if w < 0 or w + n * m > W.shape[0]:
+            raise ValueError(f"psgd_products: matrix {b} ({n} x {m} at {w}) lies outside W of {W.shape[0]} floats")
+        if k == 2 and w + n * m > A.shape[0]:
+            raise ValueError(f"psgd_products: matrix {b}'s approximation ({n} x {m} at {w}) lies outside A of "
+                             f"{A.shape[0]} floats")
+        if po < 0 or po + n * r > P.shape[0]:
+            raise ValueError(f"psgd_products: matrix {b}'s P ({n} x {r} at {po}) lies outside P of "
+                             f"{P.shape[0]} floats")
+        if qo < 0 or qo + m * r > Q.shape[0]:
+            raise ValueError(f"psgd_products: matrix {b}'s Q ({m} x {r} at {qo}) lies outside Q of "
+                             f"{Q.shape[0]} floats")
+    if count == 0 or W.shape[0] == 0 or P.shape[0] == 0 or Q.shape[0] == 0 or (k == 2 and A.shape[0] == 0):
+        return
+    if k == 2:
+        ap = &A[0]
+    with nogil:
+        rc = gf_psgd_products(k, &mats[0], count, &W[0], &P[0], &Q[0], ap)
+    if rc:
+        raise MemoryError("psgd_products: no memory for the products' scratch (r m floats)")
+
+
+def psgd_scatter_approx(const int64_t[::1] dst_ptrs, const int64_t[::1] counts, const int64_t[::1] route,
+                        const int64_t[::1] mrow, Py_ssize_t lo, Py_ssize_t hi, const int64_t[::1] mats,
+                        const float[::1] P, const float[::1] Q, const float[::1] W, float[::1] e_out,
+                        const float[::1] U, double divisor):
+    """``psgd_products("A", ...)`` then ``psgd_scatter`` in one pass, the same bits without
+    the approximation array: a row with ``route >= 0`` is matrix ``mrow[i - lo]`` of
+    ``mats`` (6 int64 per matrix, as ``psgd_products``) and receives P Q^T (and ``e_out =
+    W - P Q^T`` at its W offset; ``e_out`` empty: none); ``route < 0`` rows ``U / divisor``
+    (float32). Ranks 1 to ``PSGD_PRODUCTS_MAX_RANK``."""
+    cdef float d = <float> divisor
+    cdef float* eo = NULL
+    cdef const float* up = NULL
+    cdef Py_ssize_t i, j, count
+    cdef int rc
+    if not (d == d) or d == 0 or d == float("inf"):
+        raise ValueError(f"psgd_scatter_approx: divisor must be finite and non-zero as a float32, got {divisor!r}")
+    _psgd_check("psgd_scatter_approx", dst_ptrs, counts, route, lo, hi, W.shape[0], U.shape[0])
+    if mrow.shape[0] != hi - lo:
+        raise ValueError(f"psgd_scatter_approx: mrow has {mrow.shape[0]} entries for {hi - lo} rows")
+    if mats.shape[0] % 6:
+        raise ValueError(f"psgd_scatter_approx: mats must hold 6 int64 per matrix, got {mats.shape[0]}")
+    count = mats.shape[0] // 6
+    for i in range(lo, hi):
+        if route[i - lo] < 0 or counts[i] == 0:
+            continue
+        j = mrow[i - lo]
+        if j < 0 or j >= count:
+            raise ValueError(f"psgd_scatter_approx: row {i} names matrix {j} of {count}")
+        if mats[6 * j] != route[i - lo] or mats[6 * j + 1] * mats[6 * j + 2] != counts[i]:
+            raise ValueError(f"psgd_scatter_approx: row {i} ({counts[i]} floats at W[{route[i - lo]}]) is not "
+                             f"matrix {j} ({mats[6 * j + 1]} x {mats[6 * j + 2]} at W[{mats[6 * j]}])")
+        if mats[6 * j + 3] < 1 or mats[6 * j + 3] > GF_PSGD_MM_MAX_RANK:
+            raise ValueError(f"psgd_scatter_approx: matrix {j} has rank {mats[6 * j + 3]}; the kernels take ranks "
+                             f"1 to {GF_PSGD_MM_MAX_RANK}")
+        if mats[6 * j + 4] < 0 or mats[6 * j + 4] + mats[6 * j + 1] * mats[6 * j + 3] > P.shape[0]:
+            raise ValueError(f"psgd_scatter_approx: matrix {j}'s P lies outside P of {P.shape[0]} floats")
+        if mats[6 * j + 5] < 0 or mats[6 * j + 5] + mats[6 * j + 2] * mats[6 * j + 3] > Q.shape[0]:
+            raise ValueError(f"psgd_scatter_approx: matrix {j}'s Q lies outside Q of {Q.shape[0]} floats")
+    if e_out.shape[0]:
+        if e_out.shape[0] != W.shape[0]:
+            raise ValueError(f"psgd_scatter_approx: e_out has {e_out.shape[0]} elements and W {W.shape[0]}")
+        eo = &e_out[0]
+    if U.shape[0]:
+        up = &U[0]
+    if hi <= lo:
+        return
+    cdef const float* pp = &P[0] if P.shape[0] else NULL
+    cdef const float* qp = &Q[0] if Q.shape[0] else NULL
+    cdef const float* wp = &W[0] if W.shape[0] else NULL
+    cdef const int64_t* mp = &mats[0] if mats.shape[0] else NULL
+    with nogil:
+        rc = gf_psgd_scatter_approx(&dst_ptrs[0], &counts[0], &route[0], &mrow[0], lo, hi, mp, pp, qp, wp, eo, up, d)
+    if rc:
+        raise MemoryError("psgd_scatter_approx: no memory for the scratch (r m floats)")

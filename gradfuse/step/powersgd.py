@@ -6,7 +6,8 @@ last float), orthogonalizes Q (warm: the bucket's Q of the last step; else a ran
 from the compressor's seed) and computes P = M Q per matrix. ``exchange()`` sums U, then
 P (one allreduce each), orthogonalizes P, computes Q = M^T P, sums Q and divides it by
 the world size (the divisor). ``decode()``, after the step's non-finite verdict, writes
-M^ = P Q^T into the outputs and e = W - M^ as the new residual (``psgd_scatter``), U /
+M^ = P Q^T into the outputs and e = W - M^ as the new residual (``psgd_scatter_approx``
+with the product kernels; else the product, then ``psgd_scatter``), U /
 divisor into the uncompressed tensors, and keeps Q for the next step.
 
 State (the bucket's named arrays, ``BucketState.array``): ``"q"`` (warm start) and
@@ -55,13 +56,25 @@ class PowerSGDJob(BucketJob):
             got = self.cache["powersgd"] = (lay, bufs)
         return got
 
+    def _kernels(self):
+        """Whether gradfuse's product kernels run this bucket's products (on the host, up
+        to rank ``PSGD_PRODUCTS_MAX_RANK``)."""
+        return self.bk.device == "cpu" and self.lay.max_rank <= self.bk.kernels.PSGD_PRODUCTS_MAX_RANK
+
     def _products(self, kind):
-        """Per matrix, through BLAS (numpy's or cupy's matmul): ``"P"``: P = M Q,
-        ``"Q"``: Q = M^T P, ``"A"``: A = P Q^T (into the shared approximation array)."""
+        """Per matrix: ``"P"``: P = M Q, ``"Q"``: Q = M^T P, ``"A"``: A = P Q^T (into the
+        shared approximation array). On the host up to rank ``PSGD_PRODUCTS_MAX_RANK``
+        gradfuse's kernels (``psgd_products``, on this thread: no BLAS thread pool spinning
+        beside the framework's threads); above it, and on a GPU, BLAS (numpy's or cupy's
+        matmul)."""
         lay, b = self.lay, self.bufs
-        mm, mul = self.bk.xp.matmul, self.bk.xp.multiply
         W, P, Q = b["W"], b["P"], b["Q"]
         A = self.shared("psgd-A", lay.nw, np.float32) if kind == "A" else None
+        K = self.bk.kernels
+        if self._kernels():
+            K.psgd_products(kind, lay.mat_tab, W, P, Q, b["empty"] if A is None else A)
+            return A
+        mm, mul = self.bk.xp.matmul, self.bk.xp.multiply
         for (w, n, m, r, po, qo) in lay.mats:
             Mk = W[w:w + n * m].reshape(n, m)
             Pk = P[po:po + n * r].reshape(n, r)
@@ -126,11 +139,17 @@ class PowerSGDJob(BucketJob):
     def decode(self):
         lay, bufs, comp, st = self.lay, self.bufs, self.comp, self.state
         empty = bufs["empty"]
-        A = self._products("A") if lay.mats else empty
+        K = self.bk.kernels
         e_out = st.array("residual", lay.nw) if comp.error_feedback and lay.nw else None
+        e_out = empty if e_out is None else e_out
         ptrs, _, cnt, lo, hi = self.dst
-        self.bk.kernels.psgd_scatter(ptrs, cnt, bufs["route"], lo, hi, A, bufs["W"],
-                                     empty if e_out is None else e_out, bufs["U"][:lay.nu], self.divisor)
+        if self._kernels():     # M^ = P Q^T straight into the outputs (no approximation array)
+            K.psgd_scatter_approx(ptrs, cnt, bufs["route"], lay.mrow, lo, hi, lay.mat_tab, bufs["P"], bufs["Q"],
+                                  bufs["W"], e_out, bufs["U"][:lay.nu], self.divisor)
+        else:
+            A = self._products("A") if lay.mats else empty
+            K.psgd_scatter(ptrs, cnt, bufs["route"], lo, hi, A, bufs["W"], e_out, bufs["U"][:lay.nu],
+                           self.divisor)
         if lay.mats and comp.options["warm_start"]:
             st.array("q", lay.nq)[...] = bufs["Q"]
         self.commit()
