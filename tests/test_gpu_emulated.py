@@ -75,7 +75,10 @@ def test_gpu_pipeline_multi_rank_on_simt_emulator(ranks):
 def test_digits_example_gpu_branch_on_simt_emulator():
     """examples/numpy_digits_compression.py --device gpu on 2 ranks, every compressor: on
     the emulator the model math is numpy's, so the table must equal the CPU run's exactly
-    (accuracies, bytes, identical models), which checks the GPU pipeline end to end."""
+    (accuracies, bytes, identical models), which checks the GPU pipeline end to end.
+    PowerSGD is the exception: its matrix products run on gradfuse's kernels on the host
+    and on cuBLAS (numpy on the emulator) on the device, equal to rounding only, so its
+    row must match in bytes and identical models, its accuracy within 2 points."""
     from conftest import mpiexec_path
     env = dict(os.environ)
     env.pop("GRADFUSE_STALL_WARNING_S", None)
@@ -89,7 +92,11 @@ def test_digits_example_gpu_branch_on_simt_emulator():
         rows = sorted(line for line in out.splitlines() if line.startswith("| ") and "compressor" not in line)
         assert len(rows) == 8 and all(r.rstrip().endswith("| yes |") for r in rows), out[-3000:]
         tables.append(rows)
-    assert tables[0] == tables[1], tables
+    exact = [[r for r in t if not r.startswith("| powersgd |")] for t in tables]
+    assert exact[0] == exact[1], tables
+    psgd = [[c.strip() for c in next(r for r in t if r.startswith("| powersgd |")).strip("|").split("|")]
+            for t in tables]
+    assert psgd[0][2:] == psgd[1][2:] and abs(float(psgd[0][1]) - float(psgd[1][1])) <= 0.02, psgd
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not found (the SIMT emulator needs it)")
