@@ -35,55 +35,6 @@
 #define GF_MM_AVX2 __attribute__((target("avx2")))
 #else
 #define GF_MM_HAVE_AVX2 0
-/* The decode with the last product fused in (the bits of psgd_products "A" followed by
- * gf_psgd_scatter, without the approximation array in between): row i of the table with
- * route >= 0 is matrix mrow[i - lo] of `mats`, and receives A = P Q^T, a block of rows at
- * a time, then e_out = W - A for that block (while it is in cache); route < 0 receives U /
- * divisor (a copy when divisor is 1). Returns -1 when the scratch (r m floats) cannot be
- * allocated, else 0. */
-static int gf_psgd_scatter_approx(const int64_t* dst, const int64_t* counts, const int64_t* route,
-                                  const int64_t* mrow, int64_t lo, int64_t hi, const int64_t* mats,
-                                  const float* P, const float* Q, const float* W, float* e_out, const float* U,
-                                  float divisor)
-{
-    int64_t need = 1;
-    for (int64_t i = lo; i < hi; i++) {
-        if (route[i - lo] < 0 || counts[i] <= 0) continue;
-        const int64_t* t = mats + 6 * mrow[i - lo];
-        if (t[2] * t[3] > need) need = t[2] * t[3];
-    }
-    float* s = (float*)malloc((size_t)need * sizeof(float));
-    if (!s) return -1;
-    for (int64_t i = lo; i < hi; i++) {
-        const int64_t c = counts[i], to = route[i - lo];
-        if (c <= 0) continue;
-        float* o = (float*)(uintptr_t)dst[i];
-        if (to < 0) {
-            const float* u = U + (-1 - to);
-            if (divisor == 1.0f) for (int64_t k = 0; k < c; k++) o[k] = u[k];
-            else for (int64_t k = 0; k < c; k++) o[k] = u[k] / divisor;
-            continue;
-        }
-        const int64_t* t = mats + 6 * mrow[i - lo];
-        const int64_t n = t[1], m = t[2], po = t[4], qo = t[5];
-        const int R = (int)t[3];
-        gf_mm_transpose(Q + qo, m, R, s);
-        const int64_t block = m >= 8192 ? 1 : 8192 / m;       /* rows of about 32 KB */
-        for (int64_t k0 = 0; k0 < n; k0 += block) {
-            const int64_t kb = n - k0 < block ? n - k0 : block;
-            float* ob = o + k0 * m;
-            GF_MM_CALL(gf_mm_pqt, P + po + k0 * R, kb, m, s, ob, R);
-            if (e_out) {
-                const float* w = W + to + k0 * m;
-                float* eo = e_out + to + k0 * m;
-                for (int64_t k = 0; k < kb * m; k++) eo[k] = w[k] - ob[k];
-            }
-        }
-    }
-    free(s);
-    return 0;
-}
-
 #endif
 
 #define GF_MM_INLINE static inline __attribute__((always_inline))
@@ -310,55 +261,6 @@ GF_MM_AVX2 static void gf_mm_pqt_avx2(const float* P, int64_t n, int64_t m, cons
 #define GF_MM_CALL(name, ...) do { if (gf_use_avx2) name##_avx2(__VA_ARGS__); else name##_base(__VA_ARGS__); } while (0)
 #else
 #define GF_MM_CALL(name, ...) name##_base(__VA_ARGS__)
-/* The decode with the last product fused in (the bits of psgd_products "A" followed by
- * gf_psgd_scatter, without the approximation array in between): row i of the table with
- * route >= 0 is matrix mrow[i - lo] of `mats`, and receives A = P Q^T, a block of rows at
- * a time, then e_out = W - A for that block (while it is in cache); route < 0 receives U /
- * divisor (a copy when divisor is 1). Returns -1 when the scratch (r m floats) cannot be
- * allocated, else 0. */
-static int gf_psgd_scatter_approx(const int64_t* dst, const int64_t* counts, const int64_t* route,
-                                  const int64_t* mrow, int64_t lo, int64_t hi, const int64_t* mats,
-                                  const float* P, const float* Q, const float* W, float* e_out, const float* U,
-                                  float divisor)
-{
-    int64_t need = 1;
-    for (int64_t i = lo; i < hi; i++) {
-        if (route[i - lo] < 0 || counts[i] <= 0) continue;
-        const int64_t* t = mats + 6 * mrow[i - lo];
-        if (t[2] * t[3] > need) need = t[2] * t[3];
-    }
-    float* s = (float*)malloc((size_t)need * sizeof(float));
-    if (!s) return -1;
-    for (int64_t i = lo; i < hi; i++) {
-        const int64_t c = counts[i], to = route[i - lo];
-        if (c <= 0) continue;
-        float* o = (float*)(uintptr_t)dst[i];
-        if (to < 0) {
-            const float* u = U + (-1 - to);
-            if (divisor == 1.0f) for (int64_t k = 0; k < c; k++) o[k] = u[k];
-            else for (int64_t k = 0; k < c; k++) o[k] = u[k] / divisor;
-            continue;
-        }
-        const int64_t* t = mats + 6 * mrow[i - lo];
-        const int64_t n = t[1], m = t[2], po = t[4], qo = t[5];
-        const int R = (int)t[3];
-        gf_mm_transpose(Q + qo, m, R, s);
-        const int64_t block = m >= 8192 ? 1 : 8192 / m;       /* rows of about 32 KB */
-        for (int64_t k0 = 0; k0 < n; k0 += block) {
-            const int64_t kb = n - k0 < block ? n - k0 : block;
-            float* ob = o + k0 * m;
-            GF_MM_CALL(gf_mm_pqt, P + po + k0 * R, kb, m, s, ob, R);
-            if (e_out) {
-                const float* w = W + to + k0 * m;
-                float* eo = e_out + to + k0 * m;
-                for (int64_t k = 0; k < kb * m; k++) eo[k] = w[k] - ob[k];
-            }
-        }
-    }
-    free(s);
-    return 0;
-}
-
 #endif
 
 /* kind 0: P = M Q, 1: Q = M^T P, 2: A = P Q^T, for each of the `count` matrices of `mats`
