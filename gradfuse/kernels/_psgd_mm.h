@@ -74,6 +74,22 @@ GF_MM_INLINE void gf_mm_mq_body(const float* M, int64_t n, int64_t m, const floa
 
 /* ------------------------------------------------------------------ Q = M^T P */
 
+/* Columns full..m of four rows' update of s = M^T P (the scalar tail of both bodies below:
+ * each row added in turn, as the vector part does). */
+GF_MM_INLINE void gf_mm_mtp_tail4(const float* r0, const float* r1, const float* r2, const float* r3,
+                                  const float* p, float* s, int64_t full, int64_t m, const int R)
+{
+    for (int64_t j = full; j < m; j++)
+        for (int c = 0; c < R; c++) {
+            float v = s[c * m + j];
+            v += r0[j] * p[c];
+            v += r1[j] * p[R + c];
+            v += r2[j] * p[2 * R + c];
+            v += r3[j] * p[3 * R + c];
+            s[c * m + j] = v;
+        }
+}
+
 /* s[c * m + j] (zeroed by the caller) += sum over rows k in order of M[k][j] P[k][c];
  * four rows at a time, each added in turn (the same order as one row at a time), eight
  * columns j at a time for every c (the rows' values loaded once for all r sums). */
@@ -97,15 +113,7 @@ GF_MM_INLINE void gf_mm_mtp_body(const float* M, int64_t n, int64_t m, const flo
                     sc[l] = v;
                 }
             }
-        for (int64_t j = full; j < m; j++)
-            for (int c = 0; c < R; c++) {
-                float v = s[c * m + j];
-                v += r0[j] * p[c];
-                v += r1[j] * p[R + c];
-                v += r2[j] * p[2 * R + c];
-                v += r3[j] * p[3 * R + c];
-                s[c * m + j] = v;
-            }
+        gf_mm_mtp_tail4(r0, r1, r2, r3, p, s, full, m, R);
     }
     for (; k < n; k++) {
         const float* r0 = M + k * m;
@@ -204,15 +212,7 @@ GF_MM_AVX2 GF_MM_INLINE void gf_mm_mtp_body_avx2(const float* M, int64_t n, int6
                 _mm256_storeu_ps(sc, v);
             }
         }
-        for (int64_t j = full; j < m; j++)
-            for (int c = 0; c < R; c++) {
-                float v = s[c * m + j];
-                v += r0[j] * p[c];
-                v += r1[j] * p[R + c];
-                v += r2[j] * p[2 * R + c];
-                v += r3[j] * p[3 * R + c];
-                s[c * m + j] = v;
-            }
+        gf_mm_mtp_tail4(r0, r1, r2, r3, p, s, full, m, R);
     }
     for (; k < n; k++) {
         const float* r0 = M + k * m;
